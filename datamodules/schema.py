@@ -1,0 +1,76 @@
+"""The one data format of the library: JSON objects, one per example, per task.
+
+keyphrase:      {"id", "title", "abstract", "keyphrases": [str, ...]}
+qa:             {"id", "question", "context", "answers": [str, ...]}
+summarization:  {"id", "document", "summary": [sentence, ...]}
+
+Every source (built-in corpus, local JSONL, hub datasets) produces exactly these records, so the
+rest of the library only ever sees one shape. A task turns a record into a source text (what the
+encoder reads) and a list of target subsequences (what the decoder writes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+class DataError(ValueError):
+    """Bad or missing data: the message names the file, line, field or split at fault."""
+
+
+@dataclass(frozen=True)
+class TaskSchema:
+    fields: dict[str, type]            # field name -> required type (list means list of str)
+    target_field: str                  # the field holding the target subsequences
+    source_text: Callable[[dict], str]  # record -> text the encoder reads
+
+
+SCHEMAS: dict[str, TaskSchema] = {
+    "keyphrase": TaskSchema(
+        fields={"id": str, "title": str, "abstract": str, "keyphrases": list},
+        target_field="keyphrases",
+        source_text=lambda r: f"{r['title']} {r['abstract']}".strip(),
+    ),
+    "qa": TaskSchema(
+        fields={"id": str, "question": str, "context": str, "answers": list},
+        target_field="answers",
+        source_text=lambda r: f"question: {r['question']} context: {r['context']}",
+    ),
+    "summarization": TaskSchema(
+        fields={"id": str, "document": str, "summary": list},
+        target_field="summary",
+        source_text=lambda r: r["document"],
+    ),
+}
+
+TASKS = tuple(SCHEMAS)
+
+
+def schema_for(task: str) -> TaskSchema:
+    if task not in SCHEMAS:
+        raise DataError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
+    return SCHEMAS[task]
+
+
+def validate_record(task: str, record: object, where: str) -> dict:
+    """Check one record against the task's schema; `where` (e.g. 'train.jsonl line 7') goes into errors."""
+    schema = schema_for(task)
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for field, kind in schema.fields.items():
+        if field not in record:
+            raise DataError(f"{where}: missing field {field!r} (a {task} record needs "
+                            f"{', '.join(schema.fields)})")
+        value = record[field]
+        if kind is list:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise DataError(f"{where}: field {field!r} must be a list of strings, got {value!r:.80}")
+        elif not isinstance(value, kind):
+            raise DataError(f"{where}: field {field!r} must be {kind.__name__}, "
+                            f"got {type(value).__name__}")
+    return record
+
+
+def target_texts(task: str, record: dict) -> list[str]:
+    """The target subsequences of a record, blank entries dropped."""
+    return [t.strip() for t in record[schema_for(task).target_field] if t.strip()]
