@@ -1,0 +1,183 @@
+"""One LightningDataModule for every task: records -> token ids -> batches.
+
+A batch is a dict with
+    input_ids, attention_mask   (B, source_len) encoder inputs, right-padded
+    index                       (B,) position of each example in its split (dataset order)
+    targets                     [example][subsequence] -> token ids, for the decoder's layout
+The raw records stay available (`records(split)`) so that scoring uses the untruncated targets.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from datamodules import tokenizer as tok
+from datamodules.schema import DataError, schema_for, target_texts
+from datamodules.sources import SPLITS, load_split
+from decoders.base import pad_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Encoded:
+    index: int
+    source_ids: list[int]
+    target_ids: list[list[int]]
+
+
+@dataclass
+class Truncation:
+    """What the length limits cut, per split; reported once and logged to MLflow."""
+
+    sources_truncated: int = 0
+    subsequences_truncated: int = 0
+    subsequences_dropped: int = 0
+    examples: int = 0
+
+    def any(self) -> bool:
+        return bool(self.sources_truncated or self.subsequences_truncated or self.subsequences_dropped)
+
+
+class _Split(Dataset):
+    def __init__(self, examples: list[Encoded]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Encoded:
+        return self.examples[i]
+
+
+def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
+                report: Truncation) -> list[list[int]]:
+    """Keep subsequences, in order, while the flat layout (s_1 <sep> ... s_m </s>) fits `max_length`.
+
+    The same cut applies to every decoder, so all of them train on the same targets.
+    """
+    kept: list[list[int]] = []
+    used = 1  # the end token
+    for sub in subsequences[:max_count]:
+        cost = len(sub) + (1 if kept else 0)
+        if used + cost > max_length:
+            if not kept:  # a single over-long first subsequence is cut rather than lost
+                kept.append(sub[: max_length - 1])
+                report.subsequences_truncated += 1
+                report.subsequences_dropped += len(subsequences) - 1
+                return kept
+            break
+        kept.append(sub)
+        used += cost
+    report.subsequences_dropped += len(subsequences) - len(kept)
+    return kept
+
+
+class SubsequenceDataModule(L.LightningDataModule):
+    def __init__(self, cfg: DictConfig, tokenizer=None):
+        super().__init__()
+        self.task = cfg.task.name
+        self.data = cfg.data
+        self.model_cfg = cfg.model
+        self.train_batch_size = cfg.train.batch_size
+        self.eval_batch_size = cfg.eval.batch_size
+        self.seed = cfg.seed
+        self.tokenizer = tokenizer
+        self._records: dict[str, list[dict]] = {}
+        self._encoded: dict[str, list[Encoded]] = {}
+        self.truncation: dict[str, Truncation] = {}
+
+    # -- loading ----------------------------------------------------------------------------------
+    def load_records(self) -> None:
+        """Read and validate all splits (cheap), before any tokenizer training or model building."""
+        if self._records:
+            return
+        limits = {"train": self.data.max_train_examples, "validation": self.data.max_eval_examples,
+                  "test": self.data.max_eval_examples}
+        for split in SPLITS:
+            records = load_split(self.task, self.data, split)
+            if limits[split] is not None:
+                records = records[: limits[split]]
+            self._records[split] = records
+
+    def records(self, split: str) -> list[dict]:
+        self.load_records()
+        return self._records[split]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._encoded:
+            return
+        self.load_records()
+        if self.tokenizer is None:
+            self.tokenizer = self._build_tokenizer()
+        for split in SPLITS:
+            self._encoded[split], self.truncation[split] = self._encode(self._records[split])
+            report = self.truncation[split]
+            if report.any():
+                log.warning("%s split: %d of %d sources truncated to %d tokens; %d subsequences "
+                            "truncated and %d dropped to fit data.max_target_length=%d / "
+                            "data.max_subsequences=%d", split, report.sources_truncated,
+                            report.examples, self.data.max_source_length,
+                            report.subsequences_truncated, report.subsequences_dropped,
+                            self.data.max_target_length, self.data.max_subsequences)
+
+    def _build_tokenizer(self):
+        if self.model_cfg.name == "t5-tiny":
+            schema = schema_for(self.task)
+            texts = [schema.source_text(r) for r in self._records["train"]]
+            texts += [t for r in self._records["train"] for t in target_texts(self.task, r)]
+            return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
+        return tok.load_pretrained(self.model_cfg.hub_id)
+
+    def _encode(self, records: list[dict]) -> tuple[list[Encoded], Truncation]:
+        schema = schema_for(self.task)
+        report = Truncation(examples=len(records))
+        sources = self.tokenizer([schema.source_text(r) for r in records],
+                                 add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        limit = self.data.max_source_length - 1  # room for the end token T5 appends to its input
+        examples = []
+        for index, (record, source) in enumerate(zip(records, sources)):
+            if len(source) > limit:
+                report.sources_truncated += 1
+                source = source[:limit]
+            texts = target_texts(self.task, record)
+            subsequences = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            targets = fit_targets(subsequences, self.data.max_target_length,
+                                  self.data.max_subsequences, report)
+            examples.append(Encoded(index, source + [eos], targets))
+        return examples, report
+
+    # -- batches ----------------------------------------------------------------------------------
+    def collate(self, examples: list[Encoded]) -> dict:
+        input_ids = pad_batch([e.source_ids for e in examples], self.tokenizer.pad_token_id)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": (input_ids != self.tokenizer.pad_token_id).long(),
+            "index": torch.tensor([e.index for e in examples], dtype=torch.long),
+            "targets": [e.target_ids for e in examples],
+        }
+
+    def dataset(self, split: str) -> _Split:
+        self.setup()
+        return _Split(self._encoded[split])
+
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.dataset(split), batch_size=batch_size, shuffle=shuffle,
+                          collate_fn=self.collate, num_workers=self.data.num_workers,
+                          generator=generator)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.train_batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.eval_batch_size, shuffle=False)

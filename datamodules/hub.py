@@ -1,0 +1,219 @@
+"""The library's named Hugging Face hub datasets, loaded with `datasets.load_dataset` and mapped to its schema.
+
+Each entry of HUB_DATASETS says where the data lives on the hub and how one hub row becomes one record of
+the task's schema (datamodules/schema.py); `load_hub(name, split)` returns a split as validated records.
+
+Several of these datasets live in repositories whose loading script `datasets` >= 4 refuses to run ("Dataset
+scripts are no longer supported"). For those, the entry names the repository's raw JSON files (`raw_file`),
+which are read with the generic JSON builder through `hf://datasets/...` paths; the rows then have the raw
+files' columns, documented on each entry.
+
+Without network the hub cannot be used: load_hub raises a DataError pointing to the offline alternative, a
+folder of train/validation/test.jsonl files in the library's schema (`data=jsonl data.path=DIR`). It fails
+fast: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are honoured as they are set at call time, and otherwise one quick
+request tells whether the hub answers; when it does not, `datasets` runs in offline mode (cache only) instead of
+retrying every request for half a minute. Datasets loaded through the repository itself (cnndm, pubmed) are then
+still read from the `datasets` cache; the raw-file ones cannot be, since resolving `hf://` paths needs the hub.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import datasets
+import huggingface_hub
+from huggingface_hub.utils import httpx  # the HTTP client module huggingface_hub itself uses
+
+from datamodules.schema import DataError, schema_for, validate_record
+from datamodules.sentences import split_sentences
+
+SPLITS = ("train", "validation", "test")
+
+# What "the hub could not be reached" looks like: `datasets` raises ConnectionError (OfflineModeIsEnabled is
+# one too), while requests that fail below it surface as the HTTP client's transport errors.
+_NETWORK_ERRORS = (ConnectionError, httpx.TransportError)
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+_PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """Where one named dataset lives on the hub and how its rows become records.
+
+    convert(row, row_id) -> record; `row_id` ('<name>-<split>-<index>') is the id for layouts without one.
+    splits maps our train/validation/test to the hub's split names.
+    raw_file: set when the repository has a loading script: the path of its raw JSON file(s) in the repository,
+        with `{split}` replaced by the hub split name.
+    json_field: for a raw file holding one JSON object, the key of the list of rows.
+    split_column: for a raw file holding every split, the column naming each row's split.
+    """
+    task: str
+    hub_id: str
+    splits: dict[str, str]
+    convert: Callable[[dict, str], dict]
+    config_name: str | None = None
+    raw_file: str | None = None
+    json_field: str | None = None
+    split_column: str | None = None
+
+
+def bio_spans(tokens: list[str], labels: list[str]) -> list[str]:
+    """The spans a BIO labelling marks: a span starts at B (or at an I that follows O) and runs over the Is
+    after it. Spans are tokens joined by single spaces, in order, repeats dropped."""
+    spans: list[str] = []
+    current: list[str] = []
+    for token, label in zip(tokens, labels, strict=True):
+        if label == "I" and current:
+            current.append(token)
+            continue
+        if current:
+            spans.append(" ".join(current))
+        current = [token] if label in ("B", "I") else []
+    if current:
+        spans.append(" ".join(current))
+    return list(dict.fromkeys(spans))
+
+
+def _midas_keyphrases(row: dict, row_id: str) -> dict:
+    """midas/kp20k and midas/kptimes raw rows: `document` (whitespace tokens: the title, then the abstract or
+    article body), `extractive_keyphrases` (present), `abstractive_keyphrases` (absent), plus BIO tags and
+    metadata. The document already starts with the title, so all of it goes to `abstract`. The loading script
+    renames the raw files' id key, which is not documented, so records are numbered instead."""
+    return {"id": row_id, "title": "", "abstract": " ".join(row["document"]),
+            "keyphrases": row["extractive_keyphrases"] + row["abstractive_keyphrases"]}
+
+
+def _multispanqa(row: dict, row_id: str) -> dict:
+    """MultiSpanQA rows: `id`, `question` and `context` as token lists, `label` (one B/I/O per context token),
+    `num_span`, `structure`, `type`. The answers are the labelled spans of the context."""
+    return {"id": row["id"], "question": " ".join(row["question"]), "context": " ".join(row["context"]),
+            "answers": bio_spans(row["context"], row["label"])}
+
+
+def _wikihowqa(row: dict, row_id: str) -> dict:
+    """WikiHowQA rows: `article_id`, `question`, `answer` (one text), `related_document_urls_wayback_snapshots`,
+    `split`, `cluster`. The supporting documents themselves are not public (RMIT data agreement), so the
+    context is empty: the task is answering from the question alone, one target per answer sentence."""
+    return {"id": str(row["article_id"]), "question": row["question"], "context": "",
+            "answers": split_sentences(row["answer"])}
+
+
+def _summarization(document: str, summary: str, id_column: str | None = None) -> Callable[[dict, str], dict]:
+    """Converter for layouts with the document and its summary as two text columns; the summary is split
+    into sentences (CNN/DM highlights are one per line)."""
+    def convert(row: dict, row_id: str) -> dict:
+        return {"id": str(row[id_column]) if id_column else row_id, "document": row[document],
+                "summary": split_sentences(row[summary])}
+    return convert
+
+
+_SAME_SPLITS = {split: split for split in SPLITS}
+
+HUB_DATASETS: dict[str, HubDataset] = {
+    # Meng et al. 2017, via the MIDAS lab's copy (loading script + train/valid/test.jsonl).
+    "kp20k": HubDataset(
+        task="keyphrase", hub_id="midas/kp20k", convert=_midas_keyphrases,
+        splits={"train": "train", "validation": "valid", "test": "test"}, raw_file="{split}.jsonl"),
+    # Gallina et al. 2019 (NY Times + JP Times news), same layout and file names as kp20k.
+    "kptimes": HubDataset(
+        task="keyphrase", hub_id="midas/kptimes", convert=_midas_keyphrases,
+        splits={"train": "train", "validation": "valid", "test": "test"}, raw_file="{split}.jsonl"),
+    # Li et al. 2022, basic (multi-span only) version. There is no official hub copy; Tugay/multispanqa holds
+    # the original train/validation/test.json files ({"version", "data": [rows]}). The public test file has no
+    # labels (the benchmark's test set is scored by its authors), so our test split is the validation split.
+    # nc33/multispanQA_SE_type is a parquet copy of the expanded version (train/validation only).
+    "msqa": HubDataset(
+        task="qa", hub_id="Tugay/multispanqa", convert=_multispanqa,
+        splits={"train": "train", "validation": "validation", "test": "validation"},
+        raw_file="{split}.json", json_field="data"),
+    # Bolotova-Baranova et al. 2023, "WikiHowQA" (hub name WikiHowNFQA): loading script + one JSONL file whose
+    # `split` column says train / valid / test.
+    "wikihowqa": HubDataset(
+        task="qa", hub_id="Lurunchik/WikiHowNFQA", convert=_wikihowqa,
+        splits={"train": "train", "validation": "valid", "test": "test"},
+        raw_file="WikiHowNFQA.jsonl", split_column="split"),
+    # See et al. 2017, non-anonymized: parquet with `article`, `highlights` (newline-separated), `id`.
+    "cnndm": HubDataset(
+        task="summarization", hub_id="abisee/cnn_dailymail", config_name="3.0.0", splits=_SAME_SPLITS,
+        convert=_summarization("article", "highlights", id_column="id")),
+    # Cohan et al. 2018, parquet with `article` and `abstract` (lowercased, tokenized, joined with spaces);
+    # the "document" config gives the whole article as one text ("section" separates sections by newlines).
+    "pubmed": HubDataset(
+        task="summarization", hub_id="ccdv/pubmed-summarization", config_name="document", splits=_SAME_SPLITS,
+        convert=_summarization("article", "abstract")),
+}
+
+
+def load_hub(name: str, split: str, cache_dir: str | None = None) -> list[dict]:
+    """Records of one split of a named hub dataset, each checked against its task's schema."""
+    if name not in HUB_DATASETS:
+        raise DataError(f"unknown hub dataset {name!r}; allowed: {', '.join(HUB_DATASETS)}")
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r} for hub dataset {name!r}; allowed: {', '.join(SPLITS)}")
+    spec = HUB_DATASETS[name]
+    hub_split = spec.splits[split]
+    reason = _why_hub_unusable()
+    try:
+        with _offline_mode(reason is not None):
+            rows = _read_rows(spec, hub_split, cache_dir)
+    except _NETWORK_ERRORS as err:
+        raise _unreachable_error(name, spec, reason or _one_line(err)) from err
+    records = [validate_record(spec.task, spec.convert(row, f"{name}-{split}-{index}"),
+                               f"hub dataset {name!r} ({spec.hub_id}) {split} row {index}")
+               for index, row in enumerate(rows)]
+    if not records:
+        raise DataError(f"hub dataset {name!r} ({spec.hub_id}): split {hub_split!r} has no rows")
+    return records
+
+
+def _read_rows(spec: HubDataset, hub_split: str, cache_dir: str | None) -> datasets.Dataset:
+    if spec.raw_file is None:
+        return datasets.load_dataset(spec.hub_id, spec.config_name, split=hub_split, cache_dir=cache_dir)
+    path = f"hf://datasets/{spec.hub_id}/{spec.raw_file.format(split=hub_split)}"
+    rows = datasets.load_dataset("json", data_files=path, split="train", field=spec.json_field,
+                                 cache_dir=cache_dir)
+    if spec.split_column is None:
+        return rows
+    return rows.filter(lambda value: value == hub_split, input_columns=spec.split_column)
+
+
+def _why_hub_unusable() -> str | None:
+    """Why the hub cannot be used right now (an offline variable, or a quick request that failed); None if it can."""
+    for variable in _OFFLINE_VARIABLES:
+        if os.environ.get(variable, "").upper() in _TRUE_VALUES:
+            return f"{variable} is set"
+    try:
+        huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
+    except _NETWORK_ERRORS as err:
+        return _one_line(err)
+    return None
+
+
+@contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """While loading, put `datasets` and `huggingface_hub` in offline mode if `offline`: both read
+    HF_HUB_OFFLINE once, at import, so a variable set later (or a hub found unreachable) would otherwise
+    still send every request through its retries."""
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _unreachable_error(name: str, spec: HubDataset, reason: str) -> DataError:
+    fields = ", ".join(schema_for(spec.task).fields)
+    return DataError(
+        f"hub dataset {name!r} ({spec.hub_id}) could not be loaded: the Hugging Face hub could not be reached "
+        f"({reason}). Offline alternative: put train.jsonl, validation.jsonl and test.jsonl, one {spec.task} "
+        f"record per line ({fields}), in a folder DIR and run with data=jsonl data.path=DIR.")

@@ -1,0 +1,66 @@
+"""Where records come from: the built-in corpus, a local JSONL folder, or a named hub dataset.
+
+Every source returns records in the schema of `datamodules.schema`, already validated.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from datamodules.schema import DataError, validate_record
+
+SPLITS = ("train", "validation", "test")
+LOCAL_SOURCES = ("builtin", "jsonl")
+
+
+def read_jsonl(path: Path, task: str) -> list[dict]:
+    """Read and validate one JSONL split; errors name the file and line."""
+    if not path.is_file():
+        present = sorted(p.name for p in path.parent.glob("*.jsonl")) if path.parent.is_dir() else []
+        raise DataError(f"missing split file {path} (a jsonl folder needs "
+                        f"{', '.join(s + '.jsonl' for s in SPLITS)}; found: "
+                        f"{', '.join(present) or 'none'})")
+    records = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from err
+            records.append(validate_record(task, record, where))
+    if not records:
+        raise DataError(f"split file {path} holds no records")
+    return records
+
+
+def load_split(task: str, data: DictConfig, split: str) -> list[dict]:
+    """All records of one split, from the source that `data.source` names."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
+    if data.source == "builtin":
+        from datamodules.builtin import make_corpus
+        return make_corpus(task=task, split=split, size=int(data[f"{split}_size"]),
+                           seed=int(data.corpus_seed))
+    if data.source == "jsonl":
+        folder = Path(data.path)
+        if not folder.is_dir():
+            raise DataError(f"data.path={data.path!r} is not a folder (it must hold "
+                            f"{', '.join(s + '.jsonl' for s in SPLITS)})")
+        return read_jsonl(folder / f"{split}.jsonl", task)
+    from datamodules.hub import HUB_DATASETS, load_hub
+    if data.source not in HUB_DATASETS:
+        raise DataError(f"unknown data source {data.source!r}; allowed: "
+                        f"{', '.join(LOCAL_SOURCES + tuple(HUB_DATASETS))}")
+    hub_task = HUB_DATASETS[data.source].task
+    if hub_task != task:
+        raise DataError(f"data={data.source} is a {hub_task} dataset, but task={task}")
+    return load_hub(data.source, split, cache_dir=data.get("cache_dir"))

@@ -1,0 +1,49 @@
+"""Decoder registry: the only list of decoder names in the library.
+
+    @register("mydecoder")
+    class MyDecoder(Decoder): ...
+
+Registering a name twice is an error. `build_decoder("name", ...)` instantiates one; a new decoder
+module is added to the imports at the bottom of this file so that it registers itself.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from decoders.base import DecodeOutput, Decoder, SpecialTokens
+
+_REGISTRY: dict[str, type[Decoder]] = {}
+
+
+def register(name: str) -> Callable[[type[Decoder]], type[Decoder]]:
+    def add(cls: type[Decoder]) -> type[Decoder]:
+        if name in _REGISTRY:
+            raise ValueError(f"decoder name {name!r} is already registered by "
+                             f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
+        if not (isinstance(cls, type) and issubclass(cls, Decoder)):
+            raise TypeError(f"@register({name!r}) must decorate a subclass of decoders.base.Decoder")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return add
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def decoder_class(name: str) -> type[Decoder]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown decoder {name!r}; available: {', '.join(available())}")
+    return _REGISTRY[name]
+
+
+def build_decoder(name: str, backbone_config, special: SpecialTokens, **options) -> Decoder:
+    return decoder_class(name)(backbone_config, special, **options)
+
+
+# Built-in decoders register themselves on import.
+from decoders import sequential  # noqa: E402,F401
+
+__all__ = ["Decoder", "DecodeOutput", "SpecialTokens", "register", "available", "decoder_class",
+           "build_decoder"]

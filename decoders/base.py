@@ -1,0 +1,142 @@
+"""The decoder plug-in interface.
+
+A decoder owns three things and nothing else (DESIGN.md, "The decoder plug-in"):
+
+1. the *target layout*: how the target subsequences of a batch (token-id lists: keyphrases, answer
+   spans, summary sentences) become training tensors;
+2. the *training loss*, given the backbone and that layout; extra trainable modules (proposal heads,
+   a length predictor) are ordinary submodules of the decoder, so they are trained, checkpointed and
+   moved to the device with the task module that holds it;
+3. *generation*: encoder inputs in, per example the generated subsequences plus the work it took.
+
+Tasks never look inside a decoder and decoders never look at a task. To add one, subclass `Decoder`
+in a new file of this package and register it with `@register("name")` (see `decoders/__init__.py`).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import T5Config, T5ForConditionalGeneration
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids a decoder may need. T5 conventions: pad=0 doubles as the decoder start token."""
+
+    pad: int
+    eos: int
+    unk: int
+    sep: int    # joins subsequences in the flat (sequential / non-autoregressive) layout
+    mask: int   # the masked-position token of non-autoregressive training and decoding
+    start: int  # decoder start token (`b` in DESIGN.md)
+
+
+@dataclass
+class DecodeOutput:
+    """What one `generate` call returns; every list has one entry per example, in input order."""
+
+    subsequences: list[list[list[int]]]  # [example][subsequence] -> token ids, end/separator tokens removed
+    decoder_calls: list[int]             # decoder forward passes the example took part in
+    tokens: list[int]                    # tokens the decoder produced for the example (end tokens included)
+    hit_max_steps: list[bool]            # stopped by a length/step bound rather than by its own end token
+    batch_decoder_calls: int             # decoder forward passes for the whole batch
+    stats: dict[str, float] = field(default_factory=dict)  # decoder-specific counters (summed over the batch)
+
+
+class Decoder(nn.Module, abc.ABC):
+    """Base class of every decoding strategy. `name` is set by `@register`.
+
+    Subclasses take their options (the keys of `configs/decoder/<name>.yaml`) as keyword arguments.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, backbone_config: T5Config, special: SpecialTokens):
+        super().__init__()
+        self.backbone_config = backbone_config
+        self.special = special
+
+    @abc.abstractmethod
+    def layout(self, targets: list[list[list[int]]]) -> dict[str, torch.Tensor]:
+        """Turn a batch of target subsequences ([example][subsequence] -> ids) into training tensors."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def loss(self, model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor, layout: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scalar training loss of a batch, given the tensors `layout` built for it."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def generate(self, model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor) -> DecodeOutput:
+        """Decode a batch of encoder inputs `(B, source_len)`."""
+        raise NotImplementedError
+
+    @classmethod
+    def can_decode_checkpoint_of(cls, trained_decoder: str) -> bool:
+        """Whether a model trained with decoder `trained_decoder` can be decoded by this one.
+
+        By default only the decoder it was trained with; a subclass widens this where the layouts agree.
+        """
+        return trained_decoder == cls.name
+
+
+# ---- helpers shared by the decoders -------------------------------------------------------------
+
+def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+           attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run the encoder once per batch; every decoder call reuses its output `(B, source_len, d_model)`."""
+    return model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> torch.Tensor:
+    """Decoder hidden states -> vocabulary logits, exactly as `T5ForConditionalGeneration.forward`.
+
+    With tied embeddings T5 rescales the final hidden state by d_model ** -0.5 before `lm_head`;
+    skipping it changes the logits (and the argmax) compared with `generate`.
+    """
+    if model.config.scale_decoder_outputs:
+        hidden = hidden * (model.config.d_model ** -0.5)
+    return model.lm_head(hidden)
+
+
+def pad_batch(rows: list[list[int]], pad_value: int) -> torch.Tensor:
+    """Right-pad integer rows to one `(len(rows), longest)` long tensor."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad_value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def split_on(tokens: list[int], sep: int) -> list[list[int]]:
+    """Split a flat token list at `sep` into non-empty subsequences."""
+    parts, current = [], []
+    for tok in tokens:
+        if tok == sep:
+            if current:
+                parts.append(current)
+            current = []
+        else:
+            current.append(tok)
+    if current:
+        parts.append(current)
+    return parts
+
+
+def new_cache() -> EncoderDecoderCache:
+    """An empty key/value cache for T5's decoder (self-attention and cross-attention parts)."""
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def drop_finished_rows(cache: EncoderDecoderCache, keep: torch.Tensor,
+                       *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keep only batch rows `keep` (1-D long) in the cache and in each tensor, so that finished
+    examples cost nothing in later decoder calls."""
+    cache.batch_select_indices(keep)
+    return tuple(t[keep] for t in row_tensors)

@@ -1,0 +1,248 @@
+"""Configuration: `configs/default.yaml` + one file from each group + a YAML file + dotlist overrides.
+
+Composition order (later wins):
+    default.yaml -> task/<t>.yaml, decoder/<d>.yaml, model/<m>.yaml, data/<s>.yaml -> --config FILE -> overrides
+
+A group is chosen with `group=name` (`model=t5-base`, `data=kp20k`), with `--task/--decoder` on the
+command line, or through the key that names it (`task.name`, `decoder.name`, `model.name`,
+`data.source`). A single key is set with `group.key=value`. Everything is checked before any work:
+unknown group names, unknown keys and values of the wrong type raise `ConfigError` naming the key or
+value and what is allowed.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# group -> the key inside the group that names the chosen file
+GROUPS = {"task": "name", "decoder": "name", "model": "name", "data": "source"}
+DEFAULT_CHOICES = {"task": "keyphrase", "decoder": "sequential", "model": "t5-tiny", "data": "builtin"}
+
+# Keys whose value may take several types (everything else must keep its default's type).
+UNION_TYPES: dict[str, tuple[type, ...]] = {
+    "trainer.devices": (int, str, list),
+    "trainer.precision": (int, str),
+    "trainer.val_check_interval": (int, float),
+    "trainer.gradient_clip_val": (int, float, type(None)),
+}
+# Trainer arguments that are objects, not configuration.
+TRAINER_RESERVED = {"self", "logger", "callbacks", "plugins", "profiler", "default_root_dir"}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key/value and the allowed ones."""
+
+
+def group_choices(group: str) -> list[str]:
+    if group == "decoder":
+        from decoders import available  # the registry is the only list of decoder names
+        return available()
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    try:
+        return OmegaConf.create(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from err
+
+
+def _decoder_group(name: str) -> DictConfig:
+    """A decoder's options: its constructor's keyword defaults, then its YAML file if it has one.
+
+    Reading the defaults from the class means a new decoder needs no YAML file to be usable, and
+    a YAML key the class does not accept is caught here.
+    """
+    from decoders import decoder_class
+    params = inspect.signature(decoder_class(name).__init__).parameters
+    options = {k: p.default for k, p in params.items()
+               if k not in ("self", "backbone_config", "special") and p.default is not inspect.Parameter.empty}
+    cfg = OmegaConf.create({"name": name, **options})
+    path = CONFIG_DIR / "decoder" / f"{name}.yaml"
+    if path.exists():
+        from_file = _load_yaml(path)
+        unknown = set(from_file) - set(cfg)
+        if unknown:
+            raise ConfigError(f"{path} sets {sorted(unknown)}, which decoder {name!r} does not take; "
+                              f"its options: {sorted(options)}")
+        cfg = OmegaConf.merge(cfg, from_file)
+    return cfg
+
+
+def _group_config(group: str, choice: str) -> DictConfig:
+    allowed = group_choices(group)
+    if choice not in allowed:
+        raise ConfigError(f"unknown {group} {choice!r}; allowed: {', '.join(allowed)}")
+    if group == "decoder":
+        return _decoder_group(choice)
+    return _load_yaml(CONFIG_DIR / group / f"{choice}.yaml")
+
+
+def _parse_dotlist(overrides: Iterable[str]) -> tuple[dict[str, str], DictConfig]:
+    """Split overrides into group choices (`model=t5-base`) and key settings (`a.b=1`)."""
+    choices: dict[str, str] = {}
+    settings: list[str] = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        group, _, subkey = key.partition(".")
+        if key in GROUPS or GROUPS.get(group) == subkey:
+            choices[group] = value
+        else:
+            settings.append(item)
+    try:
+        return choices, OmegaConf.from_dotlist(settings)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides {settings}: {err}") from err
+
+
+def _type_ok(key: str, default: Any, value: Any) -> bool:
+    if value is None or default is None:
+        return True
+    allowed = UNION_TYPES.get(key)
+    if allowed is None:
+        if isinstance(default, bool):
+            allowed = (bool,)
+        elif isinstance(default, int):
+            allowed = (int,)
+        elif isinstance(default, float):
+            allowed = (float, int)
+        elif isinstance(default, (list, ListConfig)):
+            allowed = (list, ListConfig)
+        elif isinstance(default, (dict, DictConfig)):
+            allowed = (dict, DictConfig)
+        else:
+            allowed = (type(default),)
+    return isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+
+
+def _check_against(base: DictConfig, update: DictConfig, origin: str, prefix: str = "") -> None:
+    """Every key of `update` must exist in `base` with a value of the same type."""
+    known = set(base.keys())  # not `key in base`: that is False for a required (???) value
+    for key in update:
+        path = f"{prefix}{key}"
+        value = OmegaConf.to_container(update, resolve=False)[key]
+        if path.startswith("trainer.") and key not in known:
+            trainer_args = _trainer_arguments()
+            if key not in trainer_args:
+                raise ConfigError(f"{origin}: unknown key {path!r}; lightning.Trainer takes: "
+                                  f"{', '.join(sorted(trainer_args))}")
+            continue
+        if key not in known:
+            raise ConfigError(f"{origin}: unknown key {path!r}; allowed keys under "
+                              f"{prefix[:-1] or 'the top level'}: {', '.join(sorted(map(str, base)))}")
+        default = OmegaConf.to_container(base, resolve=False)[key]
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{origin}: {path!r} is a group of keys ({', '.join(default)}), "
+                                  f"not a value; got {value!r}")
+            _check_against(base[key], update[key], origin, prefix=f"{path}.")
+        elif isinstance(value, str) and value.startswith("${"):
+            continue  # an interpolation: its type is checked once resolved
+        elif not _type_ok(path, default, value):
+            raise ConfigError(f"{origin}: {path}={value!r} has type {type(value).__name__}, "
+                              f"but {path} takes {type(default).__name__} (default: {default!r})")
+
+
+def _trainer_arguments() -> set[str]:
+    from lightning import Trainer
+    return set(inspect.signature(Trainer.__init__).parameters) - TRAINER_RESERVED
+
+
+def compose(task: str | None = None, decoder: str | None = None, config_file: str | None = None,
+            overrides: Iterable[str] = (), base: dict | None = None) -> DictConfig:
+    """Build, check and resolve the configuration of one run.
+
+    `base` is a stored, resolved configuration (a checkpoint's) to start from instead of the
+    defaults: its group choices stand unless chosen again, and a re-chosen group keeps the base's
+    values of the keys that `default.yaml` gives every choice of that group.
+    """
+    if config_file and not Path(config_file).exists():
+        raise ConfigError(f"--config file {config_file} does not exist")
+    choices, settings = _parse_dotlist(overrides)
+    from_file = _load_yaml(Path(config_file)) if config_file else OmegaConf.create({})
+
+    defaults = _load_yaml(CONFIG_DIR / "default.yaml")
+    cfg = OmegaConf.create(base) if base is not None else defaults
+    before = {g: OmegaConf.select(cfg, f"{g}.{k}") for g, k in GROUPS.items()}
+    # The group choice: command-line flag, else dotlist, else the --config file, else as before.
+    picked = {g: before[g] or DEFAULT_CHOICES[g] for g in GROUPS}
+    for group, key in GROUPS.items():
+        if OmegaConf.select(from_file, f"{group}.{key}") is not None:
+            picked[group] = OmegaConf.select(from_file, f"{group}.{key}")
+    picked.update(choices)
+    if task is not None:
+        picked["task"] = task
+    if decoder is not None:
+        picked["decoder"] = decoder
+
+    for group in GROUPS:
+        if picked[group] == before[group]:
+            continue
+        shared_keys = defaults.get(group, OmegaConf.create({}))
+        shared = {k: cfg[group][k] if group in cfg and k in cfg[group] else shared_keys[k]
+                  for k in shared_keys}
+        cfg[group] = OmegaConf.merge(shared, _group_config(group, picked[group]))
+
+    _check_against(cfg, from_file, f"--config {config_file}")
+    _check_against(cfg, settings, "override")
+    cfg = OmegaConf.merge(cfg, from_file, settings)
+    for group, key in GROUPS.items():  # the chosen names win over any stray copy in a file
+        cfg[group][key] = picked[group]
+
+    try:
+        OmegaConf.resolve(cfg)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot resolve the configuration: {err}") from err
+    if missing:
+        raise ConfigError(f"required key(s) not set: {', '.join(missing)} "
+                          f"(e.g. data=jsonl needs data.path=DIR)")
+    _check_values(cfg)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Value ranges that the type check cannot see."""
+    from datamodules.schema import TASKS
+    if cfg.task.name not in TASKS:
+        raise ConfigError(f"unknown task {cfg.task.name!r}; allowed: {', '.join(TASKS)}")
+    if cfg.task.name == "qa" and cfg.task.level not in ("phrase", "sentence"):
+        raise ConfigError(f"task.level={cfg.task.level!r}; allowed: phrase, sentence")
+    for key in ("train.batch_size", "eval.batch_size", "eval.speed_batch_size",
+                "data.max_source_length", "data.max_target_length", "data.max_subsequences"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    for key in ("data.max_train_examples", "data.max_eval_examples"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1 (or null for all)")
+
+
+def flatten(cfg: DictConfig) -> dict[str, Any]:
+    """`{"a.b": value}` view of a config, for MLflow parameters."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

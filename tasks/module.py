@@ -1,0 +1,207 @@
+"""LightningModules: one per task, on a shared base that trains and decodes with any decoder plug-in.
+
+The base knows nothing about a particular decoder: it asks the decoder for the layout and the loss
+while training, and for `generate` while validating or testing; it turns the generated token ids
+back into text and hands texts to the task's metrics. A task subclass only says which metrics it
+reports and how a record's fields feed them.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import get_linear_schedule_with_warmup
+
+from datamodules.schema import schema_for, target_texts
+from decoders.base import Decoder
+from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
+
+
+class DecodeTelemetry:
+    """Per-example decoding counters of one validation/test pass, keyed by dataset index."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict] = {}
+        self.seconds = 0.0
+        self.batch_decoder_calls = 0
+        self.stats: dict[str, float] = {}
+
+    def summary(self) -> dict[str, float]:
+        n = max(len(self.rows), 1)
+        calls = sum(r["decoder_calls"] for r in self.rows.values())
+        tokens = sum(r["tokens"] for r in self.rows.values())
+        out = {
+            "examples_per_second": len(self.rows) / self.seconds if self.seconds else 0.0,
+            "decoder_calls_per_example": calls / n,
+            "tokens_per_call": tokens / calls if calls else 0.0,
+            "max_steps_hit": float(sum(r["hit_max_steps"] for r in self.rows.values())),
+            "decode_seconds": self.seconds,
+        }
+        out.update(self.stats)
+        return out
+
+
+class GenerationTask(L.LightningModule):
+    primary_metric = ""  # the validation metric that picks the best checkpoint
+
+    def __init__(self, cfg: DictConfig, backbone, decoder: Decoder, tokenizer):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = backbone
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.metrics = torch.nn.ModuleDict(self.make_metrics())
+        self.telemetry = DecodeTelemetry()
+        self.save_hyperparameters({"cfg": OmegaConf.to_container(cfg, resolve=True)})
+
+    # -- what a task defines -------------------------------------------------------------------
+    def make_metrics(self) -> dict[str, torch.nn.Module]:
+        raise NotImplementedError
+
+    def update_metrics(self, predictions: list[list[str]], records: list[dict]) -> None:
+        raise NotImplementedError
+
+    # -- training ------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        layout = {k: v.to(self.device) for k, v in self.decoder.layout(batch["targets"]).items()}
+        loss = self.decoder.loss(self.backbone, batch["input_ids"], batch["attention_mask"], layout)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].size(0))
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.train.lr,
+                                      weight_decay=self.cfg.train.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = get_linear_schedule_with_warmup(optimizer, min(self.cfg.train.warmup_steps, total // 2),
+                                                   total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- decoding and scoring ------------------------------------------------------------------
+    def decode_batch(self, batch) -> list[list[str]]:
+        """Generate for one batch, record telemetry, return the predicted subsequences as text."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self.decoder.generate(self.backbone, batch["input_ids"], batch["attention_mask"])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.telemetry.seconds += time.perf_counter() - start
+        self.telemetry.batch_decoder_calls += out.batch_decoder_calls
+        for key, value in out.stats.items():
+            self.telemetry.stats[key] = self.telemetry.stats.get(key, 0.0) + value
+
+        predictions = [[self.tokenizer.decode(sub, skip_special_tokens=True).strip() for sub in subs]
+                       for subs in out.subsequences]
+        predictions = [[p for p in subs if p] for subs in predictions]
+        for i, index in enumerate(batch["index"].tolist()):
+            self.telemetry.rows[index] = {
+                "prediction": predictions[i], "decoder_calls": out.decoder_calls[i],
+                "tokens": out.tokens[i], "hit_max_steps": out.hit_max_steps[i],
+                "subsequences": len(out.subsequences[i]),
+            }
+        return predictions
+
+    def _eval_step(self, batch, split: str) -> None:
+        predictions = self.decode_batch(batch)
+        records = self.trainer.datamodule.records(split)
+        self.update_metrics(predictions, [records[i] for i in batch["index"].tolist()])
+
+    def _eval_start(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+        self.telemetry = DecodeTelemetry()
+
+    def _eval_end(self, split: str) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        for metric in self.metrics.values():
+            scores.update({k: float(v) for k, v in metric.compute().items()})
+        scores.update(self.telemetry.summary())
+        self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=False)
+        return scores
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step(batch, "validation")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_start(self):
+        self._eval_start()
+
+    def on_test_epoch_start(self):
+        self._eval_start()
+
+    def on_validation_epoch_end(self):
+        self._eval_end("val")
+
+    def on_test_epoch_end(self):
+        self.test_scores = self._eval_end("test")
+
+    def prediction_rows(self, split: str) -> list[dict]:
+        """The predictions of the last decoding pass, in dataset order, with targets and telemetry."""
+        records = self.trainer.datamodule.records(split)
+        return [{"id": records[i]["id"], **row, "targets": target_texts(self.cfg.task.name, records[i])}
+                for i, row in sorted(self.telemetry.rows.items())]
+
+    # -- checkpoints carry what is needed to rebuild the model ---------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["decoder_name"] = self.decoder.name
+        if self.cfg.model.name == "t5-tiny":
+            checkpoint["tokenizer_json"] = self.tokenizer.backend_tokenizer.to_str()
+
+
+class KeyphraseTask(GenerationTask):
+    primary_metric = "val/present_f1_at_M"
+
+    def make_metrics(self):
+        return {"keyphrase": KeyphraseF1(unk_token=self.tokenizer.unk_token)}
+
+    def update_metrics(self, predictions, records):
+        source = schema_for("keyphrase").source_text
+        self.metrics["keyphrase"].update(preds=predictions,
+                                         targets=[target_texts("keyphrase", r) for r in records],
+                                         sources=[source(r) for r in records])
+
+
+class QATask(GenerationTask):
+    primary_metric = "val/em_f1"
+
+    def make_metrics(self):
+        metrics = {"span": MultiSpanMatch()}
+        if self.cfg.task.level == "sentence":
+            metrics["rouge"] = Rouge()
+        return metrics
+
+    def update_metrics(self, predictions, records):
+        targets = [target_texts("qa", r) for r in records]
+        for metric in self.metrics.values():
+            metric.update(preds=predictions, targets=targets)
+
+
+class SummarizationTask(GenerationTask):
+    primary_metric = "val/rougeL"
+
+    def make_metrics(self):
+        return {"rouge": Rouge()}
+
+    def update_metrics(self, predictions, records):
+        self.metrics["rouge"].update(preds=predictions,
+                                     targets=[target_texts("summarization", r) for r in records])
+
+
+TASK_MODULES: dict[str, type[GenerationTask]] = {
+    "keyphrase": KeyphraseTask, "qa": QATask, "summarization": SummarizationTask,
+}
+
+
+def write_jsonl(rows: list[dict], path) -> None:
+    """Write rows to `path` through a temporary file, so no half-written file is left behind."""
+    import os
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

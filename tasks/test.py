@@ -1,0 +1,77 @@
+"""Decode and score a saved checkpoint, as a new MLflow run in the task's experiment.
+
+    python -m tasks.test --ckpt PATH [key=value ...]
+
+Overrides may change the data (e.g. `data=jsonl data.path=DIR`), the evaluation settings and the
+decoder's options; the task and the model are those the checkpoint was trained with. Another decoder
+may be chosen only where its layout agrees with the trained one (e.g. sequential decoding of a
+blockwise-trained base head).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from datamodules.tokenizer import from_serialized
+from decoders import decoder_class
+from tasks.config import ConfigError, compose, to_yaml
+from tasks.run import (base_parser, build, default_run_name, log_artifacts, log_params, main_guard,
+                       make_trainer, open_tracking, log)
+
+
+def load_checkpoint(path: str) -> dict:
+    if not Path(path).is_file():
+        raise ConfigError(f"--ckpt {path}: no such checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
+        raise ConfigError(f"--ckpt {path} is not a readable checkpoint: {err}") from err
+
+
+def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
+    stored = checkpoint["hyper_parameters"]["cfg"]
+    trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
+    cfg = compose(None, None, config_file, overrides, base=stored)
+    for group, key in (("task", "name"), ("model", "name")):
+        if cfg[group][key] != stored[group][key]:
+            raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
+                              f"it cannot be used as {group} {cfg[group][key]!r}")
+    if not decoder_class(cfg.decoder.name).can_decode_checkpoint_of(trained_decoder):
+        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
+                          f"{cfg.decoder.name!r} cannot decode it (use decoder={trained_decoder})")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="a checkpoint written by tasks.fit")
+    args = parser.parse_args(argv)
+    checkpoint = load_checkpoint(args.ckpt)
+    cfg = checkpoint_config(checkpoint, args.ckpt, args.overrides, args.config)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return {}
+
+    started = time.perf_counter()
+    logger = open_tracking(cfg, f"test {default_run_name(cfg)}", tags={"checkpoint": args.ckpt})
+    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
+    built = build(cfg, tokenizer=tokenizer)
+    # strict=False only for modules the chosen decoder does not have (e.g. blockwise heads when
+    # decoding sequentially); every backbone weight must load.
+    missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
+    if missing:
+        raise ConfigError(f"checkpoint {args.ckpt} lacks weights the model needs: {missing[:5]}")
+    log_params(logger, cfg, built.datamodule)
+    trainer = make_trainer(cfg, logger)
+    trainer.test(built.module, datamodule=built.datamodule, verbose=False)
+    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    scores = built.module.test_scores
+    log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(scores.items())))
+    log.info("MLflow run %s; wall time %.1fs", logger.run_id, time.perf_counter() - started)
+    return {"run_id": logger.run_id, "scores": scores}
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,75 @@
+"""Shared fixtures: a tiny random T5 (d_model 32, 2+2 layers) and its special tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+from decoders import SpecialTokens
+
+VOCAB = 64
+SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
+
+
+def tiny_t5(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
+    """A tiny random T5 whose greedy outputs vary and end at different steps.
+
+    At T5's default init scale a random decoder mostly repeats its input token, which would make
+    equivalence tests vacuous; a larger init scale gives varied tokens, and pointing the end token's
+    output row at the model's favourite token makes sequences end after a few, differing steps.
+    """
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                      num_decoder_layers=2, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1, initializer_factor=6.0, **overrides)
+    config._attn_implementation = "eager"
+    model = T5ForConditionalGeneration(config).eval()
+    input_ids, attention_mask = random_batch(6, seed=seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             num_beams=1, max_new_tokens=15)
+        favourite = torch.mode(out[:, 1:].flatten()).values
+        model.lm_head.weight[SPECIAL.eos] = model.lm_head.weight[favourite] * 1.02
+    return model
+
+
+@pytest.fixture
+def model() -> T5ForConditionalGeneration:
+    return tiny_t5()
+
+
+@pytest.fixture
+def special() -> SpecialTokens:
+    return SPECIAL
+
+
+def random_batch(batch_size: int = 4, max_len: int = 12, seed: int = 1):
+    """Encoder inputs of different lengths (right-padded), ids drawn above the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, max_len + 1, (batch_size,), generator=g)
+    input_ids = torch.zeros(batch_size, int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        input_ids[i, :n] = torch.randint(5, VOCAB, (n,), generator=g)
+    return input_ids, (input_ids != 0).long()
+
+
+def briefly_trained(decoder, steps: int = 60, seed: int = 0) -> T5ForConditionalGeneration:
+    """A tiny T5 trained for a few dozen steps with `decoder`'s own loss on a toy task: the targets
+    are the source split into chunks of 2-3 tokens (a structure every decoder can learn a little of),
+    so decoding a trained model exercises real, non-random outputs."""
+    model = tiny_t5(seed)
+    model.train()
+    params = list(model.parameters()) + list(decoder.parameters())
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    for step in range(steps):
+        input_ids, attention_mask = random_batch(8, max_len=9, seed=1000 + step)
+        targets = []
+        for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist()):
+            tokens = row[:n]
+            targets.append([tokens[i:i + 3] for i in range(0, len(tokens), 3)])
+        layout = decoder.layout(targets)
+        loss = decoder.loss(model, input_ids, attention_mask, layout)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()

@@ -1,0 +1,97 @@
+"""Config composition: groups, file, overrides, and errors that name the key/value and the choices."""
+import subprocess
+import sys
+
+import pytest
+
+from tasks.config import ConfigError, compose, flatten
+
+
+def test_groups_file_and_overrides_compose_in_order(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("trainer:\n  max_epochs: 5\nmodel:\n  d_model: 64\n")
+    cfg = compose("qa", "sequential", str(extra), ["trainer.max_epochs=3", "data.max_train_examples=10"])
+    assert cfg.task.name == "qa" and cfg.task.level == "phrase"
+    assert cfg.trainer.max_epochs == 3          # override beats file
+    assert cfg.model.d_model == 64              # file beats group default
+    assert cfg.data.max_train_examples == 10
+    assert cfg.decoder.max_new_tokens == cfg.data.max_target_length  # interpolation resolved
+
+
+def test_group_chosen_by_name_or_by_key():
+    assert compose(overrides=["model=t5-small"]).model.hub_id == "google-t5/t5-small"
+    assert compose(overrides=["model.name=t5-small"]).model.name == "t5-small"
+    cfg = compose(overrides=["data=jsonl", "data.path=/x"])
+    assert cfg.data.source == "jsonl" and cfg.data.path == "/x"
+    assert "train_size" not in cfg.data          # the builtin group's own keys are gone
+    assert cfg.data.max_source_length == 256     # shared data keys stay
+
+
+def test_trainer_accepts_any_trainer_argument():
+    cfg = compose(overrides=["trainer.limit_train_batches=5", "trainer.devices=2",
+                             "trainer.strategy=ddp", "trainer.accelerator=cpu"])
+    assert cfg.trainer.limit_train_batches == 5 and cfg.trainer.devices == 2
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.foo=1"], "unknown key 'model.foo'; allowed keys under model:"),
+    (["nonsense.key=1"], "unknown key 'nonsense'"),
+    (["trainer.bogus=1"], "unknown key 'trainer.bogus'; lightning.Trainer takes"),
+    (["trainer.max_epochs=abc"], "trainer.max_epochs='abc' has type str, but trainer.max_epochs takes int"),
+    (["train.lr=fast"], "train.lr='fast' has type str"),
+    (["trainer.enable_progress_bar=3"], "takes bool"),
+    (["model=t5-huge"], "unknown model 't5-huge'; allowed: t5-base, t5-large, t5-small, t5-tiny"),
+    (["data=nowhere"], "unknown data 'nowhere'; allowed: builtin"),
+    (["decoder=nope"], "unknown decoder 'nope'; allowed: "),
+    (["data=jsonl"], "required key(s) not set: data.path"),
+    (["data.max_train_examples=0"], "data.max_train_examples=0 must be >= 1"),
+    (["task.level=paragraph"], "unknown key 'task.level'"),
+    (["noequals"], "not of the form key=value"),
+])
+def test_bad_overrides_fail_clearly(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        compose("keyphrase", None, None, overrides)
+    assert needle in str(err.value)
+
+
+def test_bad_task_and_level():
+    with pytest.raises(ConfigError, match="unknown task 'poetry'; allowed: keyphrase, qa, summarization"):
+        compose("poetry")
+    with pytest.raises(ConfigError, match="task.level='paragraph'; allowed: phrase, sentence"):
+        compose("qa", overrides=["task.level=paragraph"])
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"--config .*bad.yaml: unknown key 'train.learning_rate'"):
+        compose(config_file=str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        compose(config_file=str(tmp_path / "missing.yaml"))
+
+
+def test_resolved_config_is_frozen_against_typos():
+    cfg = compose()
+    with pytest.raises(Exception):
+        cfg.trainer.max_epoch = 3  # struct mode: a typo cannot add a key silently
+
+
+def test_base_config_keeps_choices_and_switches_groups():
+    stored = {k: v for k, v in flatten(compose("qa")).items()}
+    base = compose("qa")
+    from omegaconf import OmegaConf
+    cfg = compose(overrides=["data=jsonl", "data.path=/d", "data.max_source_length=100"],
+                  base=OmegaConf.to_container(base))
+    assert cfg.task.name == "qa" and cfg.data.source == "jsonl" and cfg.data.max_source_length == 100
+    assert stored["data.source"] == "builtin"
+
+
+def test_cli_print_config_and_error_exit_code():
+    ok = subprocess.run([sys.executable, "-m", "tasks.fit", "--task", "summarization",
+                         "--print-config", "trainer.max_epochs=2"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "name: summarization" in ok.stdout and "max_epochs: 2" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "tasks.fit", "--decoder", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "unknown decoder 'nope'" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,128 @@
+"""Data sources, limits, truncation reports and the tokenizer cache."""
+import json
+from pathlib import Path
+
+import pytest
+
+from datamodules import tokenizer as tok
+from datamodules.datamodule import SubsequenceDataModule, Truncation, fit_targets
+from datamodules.schema import DataError
+from datamodules.sources import load_split, read_jsonl
+from tasks.config import compose
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def write_split(folder: Path, split: str, rows: list) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{split}.jsonl", "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+
+
+KP = {"id": "a", "title": "graph coloring", "abstract": "we study graph coloring .",
+      "keyphrases": ["graph coloring", "np hardness"]}
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"id": "b", "title": "t"', "line 2: malformed JSON"),
+    ('{"id": "b", "title": "t", "abstract": "x"}', "line 2: missing field 'keyphrases'"),
+    ('{"id": "b", "title": "t", "abstract": "x", "keyphrases": "one"}',
+     "line 2: field 'keyphrases' must be a list of strings"),
+    ('{"id": 7, "title": "t", "abstract": "x", "keyphrases": []}', "line 2: field 'id' must be str"),
+    ('[1, 2]', "line 2: expected a JSON object"),
+])
+def test_bad_jsonl_line_names_file_line_and_field(tmp_path, line, needle):
+    write_split(tmp_path, "train", [KP, line])
+    with pytest.raises(DataError) as err:
+        read_jsonl(tmp_path / "train.jsonl", "keyphrase")
+    assert needle in str(err.value) and "train.jsonl" in str(err.value)
+
+
+def test_non_utf8_line(tmp_path):
+    tmp_path.joinpath("train.jsonl").write_bytes(json.dumps(KP).encode() + b"\n\xff\xfe{}\n")
+    with pytest.raises(DataError, match=r"train.jsonl line 2: not valid UTF-8"):
+        read_jsonl(tmp_path / "train.jsonl", "keyphrase")
+
+
+def test_missing_and_empty_split(tmp_path):
+    write_split(tmp_path, "train", [KP])
+    cfg = compose("keyphrase", overrides=["data=jsonl", f"data.path={tmp_path}"])
+    with pytest.raises(DataError, match=r"missing split file .*validation.jsonl .*found: train.jsonl"):
+        load_split("keyphrase", cfg.data, "validation")
+    write_split(tmp_path, "test", [])
+    with pytest.raises(DataError, match="test.jsonl holds no records"):
+        load_split("keyphrase", cfg.data, "test")
+    bad = compose("keyphrase", overrides=["data=jsonl", f"data.path={tmp_path / 'nope'}"])
+    with pytest.raises(DataError, match="is not a folder"):
+        load_split("keyphrase", bad.data, "train")
+
+
+@pytest.mark.parametrize("task,folder", [("keyphrase", "kp20k"), ("qa", "multispanqa"),
+                                         ("summarization", "cnndm")])
+def test_shared_real_data_loads_as_jsonl(task, folder):
+    if not (SHARED / folder).is_dir():
+        pytest.skip("../shared/data not present")
+    cfg = compose(task, overrides=["data=jsonl", f"data.path={SHARED / folder}"])
+    for split in ("validation", "test"):
+        records = load_split(task, cfg.data, split)
+        assert len(records) > 10 and len({r["id"] for r in records}) == len(records)
+
+
+def test_hub_dataset_of_another_task_is_refused():
+    cfg = compose("qa", overrides=["data=kp20k"])
+    with pytest.raises(DataError, match="data=kp20k is a keyphrase dataset, but task=qa"):
+        load_split("qa", cfg.data, "train")
+
+
+def test_fit_targets_counts_what_it_cuts():
+    report = Truncation()
+    # budget 8: [1,2,3] (3) + sep + [4,5] (2) + end = 7; [6,7] would need 3 more
+    assert fit_targets([[1, 2, 3], [4, 5], [6, 7]], 8, 16, report) == [[1, 2, 3], [4, 5]]
+    assert report.subsequences_dropped == 1
+    report = Truncation()
+    assert fit_targets([list(range(10)), [1]], 5, 16, report) == [[0, 1, 2, 3]]
+    assert (report.subsequences_truncated, report.subsequences_dropped) == (1, 1)
+    report = Truncation()
+    assert fit_targets([[1], [2], [3]], 50, 2, report) == [[1], [2]]
+    assert report.subsequences_dropped == 1
+
+
+def test_datamodule_limits_truncation_and_batches(tmp_path):
+    cfg = compose("keyphrase", overrides=[
+        "data.train_size=40", "data.validation_size=10", "data.test_size=10",
+        "data.max_train_examples=30", "data.max_eval_examples=5", "data.max_source_length=12",
+        f"data.tokenizer_cache={tmp_path}", "model.vocab_size=300", "train.batch_size=8"])
+    dm = SubsequenceDataModule(cfg)
+    dm.setup()
+    assert [len(dm.records(s)) for s in ("train", "validation", "test")] == [30, 5, 5]
+    assert dm.truncation["train"].sources_truncated == 30  # every built-in abstract is longer
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 8 and batch["input_ids"].shape[1] <= 12
+    assert (batch["input_ids"][:, -1] == dm.tokenizer.eos_token_id).any()
+    assert len(batch["targets"]) == 8 and all(batch["targets"])
+    # the decoded targets are the record's keyphrases
+    first = next(iter(dm.val_dataloader()))
+    record = dm.records("validation")[first["index"][0]]
+    assert [dm.tokenizer.decode(t) for t in first["targets"][0]] == record["keyphrases"]
+
+
+def test_tokenizer_is_cached_and_reused(tmp_path, monkeypatch):
+    texts = ["graph coloring of planar graphs", "neural network pruning"] * 20
+    first = tok.train_or_load(texts, 120, tmp_path)
+    assert len(list(tmp_path.glob("tokenizer-*.json"))) == 1
+    monkeypatch.setattr(tok, "_train", lambda *a: pytest.fail("retrained despite the cache"))
+    second = tok.train_or_load(texts, 120, tmp_path)
+    assert first.get_vocab() == second.get_vocab()
+    special = tok.special_tokens(second)
+    assert (special.pad, special.eos, special.unk, special.sep, special.mask) == (0, 1, 2, 3, 4)
+    # different data -> a different cache entry
+    monkeypatch.undo()
+    tok.train_or_load(texts + ["something else entirely"], 120, tmp_path)
+    assert len(list(tmp_path.glob("tokenizer-*.json"))) == 2
+
+
+def test_pretrained_tokenizer_offline_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(tok.TokenizerError, match="Use model=t5-tiny to work offline"):
+        tok.load_pretrained("google-t5/t5-small")

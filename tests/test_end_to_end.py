@@ -1,0 +1,53 @@
+"""`tasks.fit` and `tasks.test` end to end on a few dozen built-in examples, checked through MLflow."""
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import fit, test as test_entry
+
+TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
+        "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
+        "model.vocab_size=300", "data.max_target_length=40", "train.batch_size=8",
+        "trainer.max_epochs=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
+
+QUALITY = {"keyphrase": "present_f1_at_M", "qa": "em_f1", "summarization": "rougeL"}
+
+
+def tracking(tmp_path: Path) -> list[str]:
+    return [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            f"tracking.artifact_location={tmp_path}/artifacts",
+            f"data.tokenizer_cache={tmp_path}/tok"]
+
+
+@pytest.mark.parametrize("task", ["keyphrase", "qa", "summarization"])
+def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
+    result = fit.main(["--task", task, *TINY, *tracking(tmp_path)])
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(result["run_id"])
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == task
+    assert run.info.run_name == "sequential t5-tiny builtin"
+    params = run.data.params
+    assert params["task.name"] == task and params["decoder.name"] == "sequential"
+    assert params["trainer.max_epochs"] == "1" and params["model.d_model"] == "32"
+    assert "data_report.train.sources_truncated" in params
+    metrics = run.data.metrics
+    for name in ("train/loss", f"val/{QUALITY[task]}", f"test/{QUALITY[task]}",
+                 "test/examples_per_second", "test/decoder_calls_per_example", "test/tokens_per_call"):
+        assert name in metrics, name
+    assert metrics["test/examples_per_second"] > 0
+    assert metrics["test/tokens_per_call"] == 1.0  # sequential: one token per decoder call
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "predictions.jsonl"} <= artifacts
+    local = Path(client.download_artifacts(run.info.run_id, "predictions.jsonl", str(tmp_path)))
+    rows = [json.loads(line) for line in local.read_text().splitlines()]
+    assert len(rows) == 8 and all({"id", "prediction", "targets", "decoder_calls"} <= set(r) for r in rows)
+
+    # the checkpoint lies in the run's folder, and tasks.test re-scores it as a new run
+    assert Path(result["checkpoint"]).is_file() and run.info.run_id in result["checkpoint"]
+    again = test_entry.main(["--ckpt", result["checkpoint"], *tracking(tmp_path),
+                             "trainer.enable_progress_bar=false"])
+    assert again["run_id"] != result["run_id"]
+    assert again["scores"][QUALITY[task]] == pytest.approx(result["scores"][QUALITY[task]], abs=1e-9)

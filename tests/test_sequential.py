@@ -1,0 +1,83 @@
+"""The sequential decoder equals transformers' greedy `generate`, token for token."""
+import pytest
+import torch
+
+from decoders import build_decoder
+from decoders.base import split_on
+from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
+
+
+def reference_subsequences(model, input_ids, attention_mask, max_new_tokens):
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         num_beams=1, max_new_tokens=max_new_tokens)
+    rows = []
+    for row in out[:, 1:].tolist():          # drop the decoder start token
+        if SPECIAL.eos in row:
+            row = row[: row.index(SPECIAL.eos) + 1]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_transformers_generate_batched(seed):
+    model = tiny_t5(seed)
+    input_ids, attention_mask = random_batch(6, seed=seed + 10)
+    decoder = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=15)
+    out = decoder.generate(model, input_ids, attention_mask)
+    reference = reference_subsequences(model, input_ids, attention_mask, 15)
+    for i, ref in enumerate(reference):
+        ended = ref[-1] == SPECIAL.eos
+        assert out.subsequences[i] == split_on(ref[:-1] if ended else ref, SPECIAL.sep)
+        assert out.decoder_calls[i] == len(ref)
+        assert out.hit_max_steps[i] == (not ended)
+    assert out.batch_decoder_calls == max(len(r) for r in reference)
+
+
+def test_varied_endings_in_fixture():
+    """Guard for the test above: the fixture's outputs end at different steps (not vacuous)."""
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(6, seed=10)
+    lengths = {len(r) for r in reference_subsequences(model, input_ids, attention_mask, 15)}
+    assert len(lengths) >= 3
+
+
+def test_alone_equals_in_batch():
+    model = tiny_t5(1)
+    input_ids, attention_mask = random_batch(5, seed=3)
+    decoder = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=12)
+    batched = decoder.generate(model, input_ids, attention_mask)
+    for i in range(5):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert alone.subsequences[0] == batched.subsequences[i]
+        assert alone.decoder_calls[0] == batched.decoder_calls[i]
+
+
+def test_layout_joins_with_separator_and_ends():
+    decoder = build_decoder("sequential", tiny_t5(0).config, SPECIAL)
+    labels = decoder.layout([[[7, 8], [9]], [[10]]])["labels"]
+    assert labels.tolist() == [[7, 8, SPECIAL.sep, 9, SPECIAL.eos], [10, SPECIAL.eos, -100, -100, -100]]
+
+
+def test_loss_is_t5_cross_entropy():
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(2, seed=4)
+    decoder = build_decoder("sequential", model.config, SPECIAL)
+    layout = decoder.layout([[[7, 8], [9]], [[10]]])
+    loss = decoder.loss(model, input_ids, attention_mask, layout)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, labels=layout["labels"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), layout["labels"].flatten(),
+                                                 ignore_index=-100)
+    assert torch.allclose(loss, expected)
+
+
+def test_matches_transformers_generate_after_training():
+    decoder = build_decoder("sequential", tiny_t5(0).config, SPECIAL, max_new_tokens=20)
+    model = briefly_trained(decoder)
+    input_ids, attention_mask = random_batch(6, max_len=9, seed=77)
+    out = decoder.generate(model, input_ids, attention_mask)
+    reference = reference_subsequences(model, input_ids, attention_mask, 20)
+    for i, ref in enumerate(reference):
+        ended = ref[-1] == SPECIAL.eos
+        assert out.subsequences[i] == split_on(ref[:-1] if ended else ref, SPECIAL.sep)
+    assert sum(len(s) for subs in out.subsequences for s in subs) > 0
