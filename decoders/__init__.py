@@ -3,8 +3,8 @@
     @register("mydecoder")
     class MyDecoder(Decoder): ...
 
-Registering a name twice is an error. `build_decoder("name", ...)` instantiates one; a new decoder
-module is added to the imports at the bottom of this file so that it registers itself.
+Registering a name twice is an error. `build_decoder("name", ...)` instantiates one. Every module of
+this package is imported below, so a new file in `decoders/` registers its decoder by being there.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def register(name: str) -> Callable[[type[Decoder]], type[Decoder]]:
         if not (isinstance(cls, type) and issubclass(cls, Decoder)):
             raise TypeError(f"@register({name!r}) must decorate a subclass of decoders.base.Decoder")
         cls.name = name
+        cls.layout_family = cls.__dict__.get("layout_family") or name
         _REGISTRY[name] = cls
         return cls
     return add
@@ -42,8 +43,15 @@ def build_decoder(name: str, backbone_config, special: SpecialTokens, **options)
     return decoder_class(name)(backbone_config, special, **options)
 
 
-# Built-in decoders register themselves on import.
-from decoders import sequential  # noqa: E402,F401
+def _import_all_decoder_modules() -> None:
+    import importlib
+    import pkgutil
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_all_decoder_modules()
 
 __all__ = ["Decoder", "DecodeOutput", "SpecialTokens", "register", "available", "decoder_class",
            "build_decoder"]

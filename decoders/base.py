@@ -54,6 +54,9 @@ class Decoder(nn.Module, abc.ABC):
     """
 
     name: str = "abstract"
+    # Decoders whose losses train the backbone on the same target layout share a family; by default
+    # a decoder is its own family (set to the registered name).
+    layout_family: str = ""
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens):
         super().__init__()
@@ -78,12 +81,11 @@ class Decoder(nn.Module, abc.ABC):
         raise NotImplementedError
 
     @classmethod
-    def can_decode_checkpoint_of(cls, trained_decoder: str) -> bool:
-        """Whether a model trained with decoder `trained_decoder` can be decoded by this one.
-
-        By default only the decoder it was trained with; a subclass widens this where the layouts agree.
-        """
-        return trained_decoder == cls.name
+    def can_decode_checkpoint_of(cls, trained: type["Decoder"]) -> bool:
+        """Whether a backbone trained with decoder class `trained` can be decoded by this one: true
+        when both train the backbone on the same layout (`layout_family`), e.g. sequential decoding
+        of a blockwise-trained base head. Extra modules this decoder needs must be in the checkpoint."""
+        return trained.layout_family == cls.layout_family
 
 
 # ---- helpers shared by the decoders -------------------------------------------------------------
@@ -140,3 +142,46 @@ def drop_finished_rows(cache: EncoderDecoderCache, keep: torch.Tensor,
     examples cost nothing in later decoder calls."""
     cache.batch_select_indices(keep)
     return tuple(t[keep] for t in row_tensors)
+
+
+# ---- running T5's decoder blocks with a custom self-attention structure --------------------------
+# T5 adds `position_bias` to the attention scores of every layer, so one precomputed
+# (B, heads, queries, keys) tensor = relative-position bias + visibility mask (a large negative value
+# where hidden) gives a decoder any attention structure, through the backbone's own weights.
+
+def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor) -> torch.Tensor:
+    """T5's decoder position bias for `distance` = how far each key lies in the past of each query.
+
+    distance: (B, queries, keys) non-negative ints -> (B, heads, queries, keys). Uses T5's own
+    unidirectional bucketing and the first decoder layer's bias table (only layer 0 owns one).
+    """
+    attention = model.decoder.block[0].layer[0].SelfAttention
+    buckets = attention._relative_position_bucket(
+        -distance, bidirectional=False, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance)
+    return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+
+
+def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, queries, keys) bool -> (B, 1, queries, keys) additive mask: 0 where visible."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)[:, None]
+
+
+def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
+                encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
+                cache: EncoderDecoderCache | None = None) -> torch.Tensor:
+    """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
+
+    input_ids: (B, Q) new tokens; self_bias: (B, heads, Q, keys) where keys = cached + Q tokens;
+    encoder_mask: (B, source_len) 1/0 padding mask. Returns the final hidden states (B, Q, d_model).
+    With a cache, the new tokens' keys/values are appended to it, in order.
+    """
+    decoder = model.decoder
+    cross_mask = hidden_mask(encoder_mask[:, None, :].bool(), encoder_states.dtype)  # (B, 1, 1, S)
+    hidden = decoder.dropout(decoder.embed_tokens(input_ids))
+    for block in decoder.block:
+        hidden = block(hidden, attention_mask=None, position_bias=self_bias,
+                       encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
+                       past_key_values=cache)[0]
+    return decoder.dropout(decoder.final_layer_norm(hidden))

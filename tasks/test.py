@@ -38,7 +38,7 @@ def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_
         if cfg[group][key] != stored[group][key]:
             raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
                               f"it cannot be used as {group} {cfg[group][key]!r}")
-    if not decoder_class(cfg.decoder.name).can_decode_checkpoint_of(trained_decoder):
+    if not decoder_class(cfg.decoder.name).can_decode_checkpoint_of(decoder_class(trained_decoder)):
         raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
                           f"{cfg.decoder.name!r} cannot decode it (use decoder={trained_decoder})")
     return cfg
