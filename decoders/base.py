@@ -136,11 +136,12 @@ def new_cache() -> EncoderDecoderCache:
     return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
 
-def drop_finished_rows(cache: EncoderDecoderCache, keep: torch.Tensor,
+def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
                        *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Keep only batch rows `keep` (1-D long) in the cache and in each tensor, so that finished
     examples cost nothing in later decoder calls."""
-    cache.batch_select_indices(keep)
+    if cache is not None:
+        cache.batch_select_indices(keep)
     return tuple(t[keep] for t in row_tensors)
 
 

@@ -1,0 +1,171 @@
+"""Pipelined decoder: hand-checked layout, training/decoding agreement, cache, batching."""
+import pytest
+import torch
+
+from decoders import build_decoder
+from decoders.pipelined import Grid, attention_bias
+from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
+
+
+def pipelined(model, **options):
+    return build_decoder("pipelined", model.config, SPECIAL, **options)
+
+
+_TRAINED: dict = {}
+
+
+def trained_model(delay: int):
+    """A tiny T5 briefly trained with the pipelined loss at `delay`, shared by the tests below."""
+    if delay not in _TRAINED:
+        decoder = pipelined(tiny_t5(0), delay=delay, max_subsequences=6, max_subsequence_length=6,
+                            max_steps=100)
+        _TRAINED[delay] = briefly_trained(decoder)
+    return _TRAINED[delay]
+
+
+def test_layout_of_figure_2_by_hand():
+    """'A B C' and 'D E' with delay 1 (the paper's Figure 2), plus the empty terminator."""
+    A, B, C, D, E = 10, 11, 12, 13, 14
+    b, e = SPECIAL.start, SPECIAL.eos
+    layout = pipelined(tiny_t5(0), delay=1).layout([[[A, B, C], [D, E]]])
+    assert layout["tokens"][0].tolist() == [b, A, B, C, b, D, E, b]
+    assert layout["labels"][0].tolist() == [A, B, C, e, D, E, e, e]
+    assert layout["subsequence"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
+    assert layout["offset"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+    times = (layout["subsequence"] * 1 + layout["offset"])[0].tolist()
+    assert times == [0, 1, 2, 3, 1, 2, 3, 2]
+
+    grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
+    table = torch.zeros(20, 1)  # zero bias: what remains is the visibility mask
+    visible = (attention_bias(table, 1, grid, grid)[0, 0] == 0).int().tolist()
+    #            b  A  B  C  b  D  E  b      keys; rows = queries in the same order
+    expected = [[1, 0, 0, 0, 0, 0, 0, 0],   # (0,0) t0
+                [1, 1, 0, 0, 0, 0, 0, 0],   # (0,1) t1
+                [1, 1, 1, 0, 0, 0, 0, 0],   # (0,2) t2
+                [1, 1, 1, 1, 0, 0, 0, 0],   # (0,3) t3
+                [1, 1, 0, 0, 1, 0, 0, 0],   # (1,0) t1 sees subsequence 0 up to t1
+                [1, 1, 1, 0, 1, 1, 0, 0],   # (1,1) t2
+                [1, 1, 1, 1, 1, 1, 1, 0],   # (1,2) t3
+                [1, 1, 1, 0, 1, 1, 0, 1]]   # (2,0) t2
+    assert visible == expected
+    # relative distances: Manhattan |i-i'| + |j-j'|, read back through a table bias[d] = d
+    table = torch.arange(20, dtype=torch.float)[:, None]
+    distance = attention_bias(table, 1, grid, grid)[0, 0]
+    assert distance[5, 1].item() == 1 + 0      # (1,1) -> (0,1)
+    assert distance[6, 3].item() == 1 + 1      # (1,2) -> (0,3)
+    assert distance[7, 2].item() == 2 + 2      # (2,0) -> (0,2)
+    assert distance[7, 5].item() == 1 + 1      # (2,0) -> (1,1)
+
+
+def test_delay_two_visibility():
+    layout = pipelined(tiny_t5(0), delay=2).layout([[[10, 11, 12], [13]]])
+    grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
+    visible = attention_bias(torch.zeros(20, 1), 2, grid, grid)[0, 0] == 0
+    # (1,0) has time 2: it sees (0,0),(0,1),(0,2) but not (0,3) (time 3)
+    assert visible[4, :4].tolist() == [True, True, True, False]
+
+
+def check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask):
+    """Feed each decoded example back through the training forward; every logit must agree.
+
+    A subsequence cut at `max_subsequence_length` never had its last token fed, so its layout gets
+    one token less; an example that stopped at `max_subsequences` has no terminator position."""
+    out, seen = decoder.decode(model, input_ids, attention_mask, record_logits=True)
+    cut = decoder.max_subsequence_length
+    for b in range(input_ids.size(0)):
+        targets = [s[:-1] if len(s) == cut else s for s in out.subsequences[b]]
+        layout = decoder.layout([targets])
+        logits = decoder.teacher_forced_logits(model, input_ids[b:b + 1], attention_mask[b:b + 1],
+                                               layout)[0]
+        cells = list(zip(layout["subsequence"][0].tolist(), layout["offset"][0].tolist()))
+        for n, (i, j) in enumerate(cells):
+            if (b, i, j) not in seen:
+                assert i == len(targets) and j == 0  # only the terminator may be missing
+                continue
+            decoded, forced = seen[(b, i, j)], logits[n]
+            # float32 noise relative to the logits' scale (the fixture's logits reach ~100)
+            torch.testing.assert_close(decoded, forced, atol=5e-5 * forced.abs().max().item(), rtol=0)
+            assert decoded.argmax() == forced.argmax()
+    return out
+
+
+@pytest.mark.parametrize("delay", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decoding_equals_teacher_forced_forward_random_model(delay, seed):
+    model = tiny_t5(seed)
+    decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=100)
+    input_ids, attention_mask = random_batch(6, seed=seed + 5)
+    out = check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask)
+    assert sum(len(s) for s in out.subsequences) > 0
+
+
+@pytest.mark.parametrize("delay", [1, 2, 3])
+def test_decoding_equals_teacher_forced_forward_trained_model(delay):
+    model = trained_model(delay)
+    decoder = pipelined(model, delay=delay, max_subsequences=6, max_subsequence_length=6, max_steps=100)
+    input_ids, attention_mask = random_batch(6, max_len=9, seed=55)
+    out = check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask)
+    # trained on chunks of 3 tokens: several subsequences, and ends by the empty terminator
+    assert max(len(s) for s in out.subsequences) >= 2
+    assert not all(out.hit_max_steps)
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_cached_decode_equals_uncached_recomputation(delay):
+    model = tiny_t5(2)
+    decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=30)
+    input_ids, attention_mask = random_batch(4, seed=9)
+    cached, cached_logits = decoder.decode(model, input_ids, attention_mask, record_logits=True)
+    plain, plain_logits = decoder.decode(model, input_ids, attention_mask, use_cache=False,
+                                         record_logits=True)
+    assert cached.subsequences == plain.subsequences
+    assert cached.decoder_calls == plain.decoder_calls
+    assert cached_logits.keys() == plain_logits.keys()
+    for key in cached_logits:
+        scale = plain_logits[key].abs().max().item()
+        torch.testing.assert_close(cached_logits[key], plain_logits[key], atol=5e-5 * scale, rtol=0)
+
+
+def test_alone_equals_in_batch():
+    model = trained_model(1)
+    decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40)
+    input_ids, attention_mask = random_batch(6, max_len=9, seed=21)
+    batched = decoder.generate(model, input_ids, attention_mask)
+    for i in range(6):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert alone.subsequences[0] == batched.subsequences[i]
+        assert alone.decoder_calls[0] == batched.decoder_calls[i]
+        assert alone.tokens[0] == batched.tokens[i]
+
+
+def test_fewer_calls_than_tokens_and_bounds_reported():
+    model = trained_model(1)
+    decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40)
+    input_ids, attention_mask = random_batch(6, max_len=9, seed=3)
+    out = decoder.generate(model, input_ids, attention_mask)
+    for calls, tokens, subs in zip(out.decoder_calls, out.tokens, out.subsequences):
+        if len(subs) >= 2:
+            assert calls < tokens  # several subsequences advance in the same call
+    short = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=2)
+    bounded = short.generate(model, input_ids, attention_mask)
+    assert bounded.hit_max_steps == [calls > 2 for calls in out.decoder_calls]
+    assert any(bounded.hit_max_steps)
+
+
+def test_loss_is_cross_entropy_over_all_labels():
+    model = tiny_t5(0)
+    decoder = pipelined(model)
+    input_ids, attention_mask = random_batch(2, seed=4)
+    layout = decoder.layout([[[7, 8], [9]], [[10]]])
+    loss = decoder.loss(model, input_ids, attention_mask, layout)
+    logits = decoder.teacher_forced_logits(model, input_ids, attention_mask, layout)
+    labels = layout["labels"]
+    assert (labels != -100).sum() == (3 + 2 + 1) + (2 + 1)  # s_i + e for each, the empty one's e too
+    expected = torch.nn.functional.cross_entropy(logits[labels != -100], labels[labels != -100])
+    torch.testing.assert_close(loss, expected)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="decoder.delay must be >= 1, got 0"):
+        pipelined(tiny_t5(0), delay=0)
