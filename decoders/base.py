@@ -57,6 +57,9 @@ class Decoder(nn.Module, abc.ABC):
     # Decoders whose losses train the backbone on the same target layout share a family; by default
     # a decoder is its own family (set to the registered name).
     layout_family: str = ""
+    # Options that only change generation, not training: a trained model can be decoded with any
+    # value of these (tasks.compare sweeps them without retraining).
+    decode_options: tuple[str, ...] = ()
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens):
         super().__init__()

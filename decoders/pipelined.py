@@ -69,6 +69,7 @@ def distance_bias_table(model, longest: int) -> torch.Tensor:
 
 @register("pipelined")
 class PipelinedDecoder(Decoder):
+    decode_options = ("max_subsequences", "max_subsequence_length", "max_steps")
     def __init__(self, backbone_config, special: SpecialTokens, delay: int = 1,
                  max_subsequences: int = 16, max_subsequence_length: int = 32, max_steps: int = 128):
         super().__init__(backbone_config, special)

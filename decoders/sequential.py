@@ -32,6 +32,7 @@ def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list
 @register("sequential")
 class SequentialDecoder(Decoder):
     layout_family = "flat-causal"  # blockwise trains its base head on this same layout
+    decode_options = ("max_new_tokens",)
     def __init__(self, backbone_config, special: SpecialTokens, max_new_tokens: int = 128):
         super().__init__(backbone_config, special)
         if max_new_tokens < 1:

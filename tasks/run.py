@@ -103,6 +103,32 @@ def log_params(logger: MLFlowLogger, cfg: DictConfig, datamodule: SubsequenceDat
     logger.log_hyperparams(params)
 
 
+@dataclass
+class Trained:
+    built: Built
+    logger: MLFlowLogger
+    checkpoint: str
+    scores: dict[str, float]
+
+
+def train_and_test(cfg: DictConfig, tags: dict | None = None) -> Trained:
+    """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
+    and score the test split with it, and log params, metrics, config and predictions to MLflow."""
+    logger = open_tracking(cfg, default_run_name(cfg), tags=tags)  # fails here if unusable
+    built = build(cfg)
+    log_params(logger, cfg, built.datamodule)
+    checkpoint = ModelCheckpoint(dirpath=run_folder(cfg, logger) / "checkpoints",
+                                 filename="epoch{epoch}-step{step}", auto_insert_metric_name=False,
+                                 monitor=built.module.primary_metric, mode="max", save_top_k=1,
+                                 save_last=True)
+    trainer = make_trainer(cfg, logger, callbacks=[checkpoint])
+    trainer.fit(built.module, datamodule=built.datamodule)
+    best = checkpoint.best_model_path or checkpoint.last_model_path
+    trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
+    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    return Trained(built, logger, best, built.module.test_scores)
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_epochs=3 "

@@ -1,0 +1,417 @@
+"""Compare decoders side by side: same data, model size, seed and training budget; one table.
+
+    python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar \\
+        [--out FILE.json] [--ckpt NAME=PATH ...] [--sweep decoder.delay=1,2,3] [key=value ...]
+
+Each decoder is trained (or loaded with --ckpt) and its test split decoded and scored as its own MLflow
+run. Then speed is measured for all of them in this one process, with the same thread count, after a
+warm-up, interleaving the decoders and taking the median of `--repeats` passes: examples per second at
+batch size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
+prepared beforehand. Peak memory is taken in a separate pass (CUDA: max allocated; CPU: the growth of
+the process's resident set, sampled every millisecond, over its level before the decode).
+Writes FILE.json, FILE.md and two plots next to them, and a summary run to MLflow, all tagged with
+one comparison id.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from decoders import build_decoder, decoder_class
+from datamodules.tokenizer import special_tokens
+from tasks.config import ConfigError, compose
+from tasks.module import TASK_MODULES, GenerationTask
+from tasks.run import (base_parser, build, decoder_options, log, log_artifacts, log_params,
+                       main_guard, make_trainer, open_tracking, train_and_test)
+
+
+@dataclass
+class Row:
+    cfg: DictConfig
+    module: GenerationTask
+    datamodule: object
+    logger: object
+    quality: dict = field(default_factory=dict)
+    telemetry: dict = field(default_factory=dict)
+    speed: dict = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)   # per test example, batch size 1
+    swept: list[str] = field(default_factory=list)         # options this row's sweep set
+
+    @property
+    def options(self) -> dict:
+        return decoder_options(self.cfg)
+
+    @property
+    def label(self) -> str:
+        swept = ",".join(f"{k}={self.cfg.decoder[k]}" for k in self.swept)
+        return f"{self.cfg.decoder.name}({swept})" if swept else self.cfg.decoder.name
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+def parse_sweeps(items: list[str]) -> dict[str, list[str]]:
+    sweeps = {}
+    for item in items:
+        key, _, values = item.partition("=")
+        if not key.startswith("decoder.") or not values:
+            raise ConfigError(f"--sweep {item!r}: expected decoder.OPTION=v1,v2,... "
+                              f"(e.g. decoder.delay=1,2,3)")
+        sweeps[key] = values.split(",")
+    return sweeps
+
+
+def plan(task: str, decoders: list[str], config_file: str | None, overrides: list[str],
+         sweeps: dict[str, list[str]]) -> list[tuple[DictConfig, list[str]]]:
+    """One resolved config (and the options its sweep set) per row. `decoder.X=v` overrides and sweeps apply to the decoders that
+    have option X; naming an option no listed decoder has is an error."""
+    general = [o for o in overrides if not o.startswith("decoder.")]
+    specific = [o for o in overrides if o.startswith("decoder.")]
+    options = {name: set(compose(task, name, config_file, general).decoder) for name in decoders}
+    for item in specific + [f"{k}=" for k in sweeps]:
+        key = item.split("=", 1)[0].split(".", 1)[1]
+        if not any(key in opts for opts in options.values()):
+            raise ConfigError(f"{item.split('=')[0]}: no decoder among {', '.join(decoders)} has "
+                              f"option {key!r}; their options: "
+                              + "; ".join(f"{n}: {', '.join(sorted(o - {'name'}))}"
+                                          for n, o in options.items()))
+    rows = []
+    for name in decoders:
+        own = [o for o in specific if o.split("=", 1)[0].split(".", 1)[1] in options[name]]
+        grid = [[]]
+        for key, values in sweeps.items():
+            if key.split(".", 1)[1] in options[name]:
+                grid = [g + [f"{key}={v}"] for g in grid for v in values]
+        for settings in grid:
+            rows.append((compose(task, name, config_file, general + own + settings),
+                         [s.split("=")[0].split(".", 1)[1] for s in settings]))
+    return rows
+
+
+def training_key(cfg: DictConfig) -> str:
+    """Rows that differ only in decode-time options share one trained model."""
+    decode_only = decoder_class(cfg.decoder.name).decode_options
+    trained = {k: v for k, v in cfg.decoder.items() if k not in decode_only}
+    rest = {k: v for k, v in cfg.items() if k != "decoder"}
+    return json.dumps([trained, OmegaConf.to_container(OmegaConf.create(rest), resolve=True)],
+                      sort_keys=True, default=str)
+
+
+# -- training / loading and scoring ---------------------------------------------------------------
+
+def score_row(cfg: DictConfig, built, tags: dict) -> Row:
+    """Decode and score the test split with an already-trained module, as a new MLflow run."""
+    logger = open_tracking(cfg, f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}", tags=tags)
+    log_params(logger, cfg, built.datamodule)
+    trainer = make_trainer(cfg, logger)
+    trainer.test(built.module, datamodule=built.datamodule, verbose=False)
+    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    return Row(cfg, built.module, built.datamodule, logger)
+
+
+def with_decoder(cfg: DictConfig, trained) -> object:
+    """The trained backbone and decoder modules under a decoder built with `cfg`'s options."""
+    from tasks.run import Built
+    module = trained.module
+    decoder = build_decoder(cfg.decoder.name, module.backbone.config, special_tokens(module.tokenizer),
+                            **decoder_options(cfg))
+    decoder.load_state_dict(module.decoder.state_dict())
+    new = TASK_MODULES[cfg.task.name](cfg, module.backbone, decoder, module.tokenizer)
+    return Built(trained.datamodule, new)
+
+
+def load_checkpoint_row(cfg_overrides: list[str], path: str, config_file: str | None):
+    from datamodules.tokenizer import from_serialized
+    from tasks.test import checkpoint_config, load_checkpoint
+    checkpoint = load_checkpoint(path)
+    cfg = checkpoint_config(checkpoint, path, cfg_overrides, config_file)
+    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
+    built = build(cfg, tokenizer=tokenizer)
+    built.module.load_state_dict(checkpoint["state_dict"], strict=False)
+    return cfg, built
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+class PeakMemory:
+    """Peak memory of a block: CUDA max allocated, or on CPU the resident-set growth, sampled."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_mb = 0.0
+
+    @staticmethod
+    def _rss_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = self._rss_bytes()
+            self._peak = self._base
+            self._running = True
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self._peak = max(self._peak, self._rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._running = False
+            self._thread.join()
+            peak = max(self._peak, self._rss_bytes())
+        self.peak_mb = (peak - self._base) / 2 ** 20
+
+
+def timed_generate(row: Row, batch: dict) -> float:
+    module = row.module
+    device = next(module.parameters()).device
+    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    module.decoder.generate(module.backbone, input_ids, mask)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | None) -> None:
+    """Interleaved, warmed-up timing of every row on the same prepared batches."""
+    datamodule = rows[0].datamodule
+    examples = datamodule.dataset("test").examples[:limit]
+    singles = [datamodule.collate([e]) for e in examples]
+    batches = [datamodule.collate(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
+    for row in rows:
+        row.module.eval()
+        with torch.inference_mode():
+            for batch in singles[:3] + batches[:1]:
+                timed_generate(row, batch)
+    single_runs = {id(r): [] for r in rows}
+    batch_runs = {id(r): [] for r in rows}
+    with torch.inference_mode(), tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
+        for _ in range(repeats):
+            for row in rows:
+                single_runs[id(row)].append([timed_generate(row, b) for b in singles])
+                batch_runs[id(row)].append(sum(timed_generate(row, b) for b in batches))
+                bar.update()
+        for row in rows:
+            runs = single_runs[id(row)]
+            row.latencies = [statistics.median(times) for times in zip(*runs)]
+            row.speed["examples_per_second_bs1"] = len(examples) / statistics.median(sum(r) for r in runs)
+            row.speed["examples_per_second_batch"] = len(examples) / statistics.median(batch_runs[id(row)])
+            device = next(row.module.parameters()).device
+            with PeakMemory(device) as memory:
+                for batch in batches:
+                    timed_generate(row, batch)
+            row.speed["peak_memory_mb"] = memory.peak_mb
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
+    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
+    out_rows = []
+    for row in rows:
+        calls = row.quality.get("decoder_calls_per_example")
+        entry = {
+            "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
+            "quality": {k: v for k, v in row.quality.items() if k not in TELEMETRY_KEYS},
+            "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
+            "examples_per_second_batch": row.speed["examples_per_second_batch"],
+            "speedup_bs1": None, "speedup_batch": None,
+            "decoder_calls_per_example": calls,
+            "tokens_per_call": row.quality.get("tokens_per_call"),
+            "peak_memory_mb": row.speed["peak_memory_mb"],
+            "mlflow_run_id": row.logger.run_id,
+        }
+        if reference is not None:
+            for key in ("bs1", "batch"):
+                entry[f"speedup_{key}"] = (row.speed[f"examples_per_second_{key}"]
+                                           / reference.speed[f"examples_per_second_{key}"])
+        out_rows.append(entry)
+    data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
+    return {"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
+            "threads": threads, "eval_batch_size": cfg.eval.batch_size,
+            "memory": "CUDA max allocated" if device.startswith("cuda")
+            else "CPU resident-set growth during decoding", "rows": out_rows}
+
+
+TELEMETRY_KEYS = {"examples_per_second", "decoder_calls_per_example", "tokens_per_call",
+                  "max_steps_hit", "decode_seconds", "accepted_tokens", "blockwise_iterations"}
+
+
+def markdown(result: dict) -> str:
+    """The table: F-measures and ROUGE shown, precision/recall left to the JSON."""
+    shown = [k for k in result["rows"][0]["quality"]
+             if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
+
+    def fmt(value, digits=3):
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    head = ["decoder", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
+            "calls/ex", "tokens/call", "peak MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        cells = [r["label"], *(fmt(r["quality"][k]) for k in shown),
+                 fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
+                 fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
+                 fmt(r["decoder_calls_per_example"], 1), fmt(r["tokens_per_call"], 2),
+                 fmt(r["peak_memory_mb"], 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
+               f"{result['threads']} threads, eval batch {result['eval_batch_size']}; "
+               f"memory = {result['memory']}")
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
+def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
+    if reference is not None:
+        counts = [len(e.target_ids) for e in reference.datamodule.dataset("test").examples]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for row in rows:
+            if row is reference:
+                continue
+            by_count: dict[int, list[float]] = {}
+            for n, ref_t, t in zip(counts, reference.latencies, row.latencies):
+                by_count.setdefault(n, []).append(ref_t / t)
+            xs = sorted(by_count)
+            ax.plot(xs, [statistics.mean(by_count[x]) for x in xs], marker="o", label=row.label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("target subsequences per example")
+        ax.set_ylabel("speedup over sequential (batch size 1)")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(stem.with_name(stem.name + "_speedup_vs_subsequences.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    primary = rows[0].module.primary_metric.split("/", 1)[1]
+    for r in result["rows"]:
+        ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0))
+        ax.annotate(r["label"], (r["examples_per_second_bs1"], r["quality"].get(primary, 0.0)))
+    ax.set_xlabel("examples per second (batch size 1)")
+    ax.set_ylabel(primary)
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "_quality_vs_speed.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--task", default="keyphrase")
+    parser.add_argument("--decoders", default="sequential,pipelined",
+                        help="comma-separated registered decoder names")
+    parser.add_argument("--out", default="comparison.json", help="where to write the JSON result")
+    parser.add_argument("--ckpt", action="append", default=[], metavar="NAME=PATH",
+                        help="reuse a checkpoint for decoder NAME instead of training")
+    parser.add_argument("--sweep", action="append", default=[], metavar="decoder.OPTION=v1,v2",
+                        help="one row per value, for the decoders that have OPTION")
+    parser.add_argument("--repeats", type=int, default=3, help="timing passes (median is reported)")
+    parser.add_argument("--speed-examples", type=int, default=None,
+                        help="time on the first N test examples (default: all)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
+    for name in decoders:
+        decoder_class(name)  # unknown names fail here, listing the registered ones
+    checkpoints = dict(item.split("=", 1) for item in args.ckpt)
+    for name in checkpoints:
+        if name not in decoders:
+            raise ConfigError(f"--ckpt {name}=...: {name!r} is not among --decoders {args.decoders}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
+    planned = plan(args.task, decoders, args.config, args.overrides, parse_sweeps(args.sweep))
+    cfgs = [cfg for cfg, _ in planned]
+    if args.print_config:
+        for cfg in cfgs:
+            print(OmegaConf.to_yaml(cfg))
+        return {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    comparison_id = uuid.uuid4().hex[:12]
+    tags = {"comparison_id": comparison_id, "role": "row"}
+    trained: dict[str, object] = {}
+    rows: list[Row] = []
+    for cfg, swept in planned:
+        key = training_key(cfg)
+        name = cfg.decoder.name
+        if key in trained:
+            row = score_row(cfg, with_decoder(cfg, trained[key]), tags)
+        elif name in checkpoints:
+            general = [o for o in args.overrides if not o.startswith("decoder.")]
+            options = [f"decoder.{k}={v}" for k, v in decoder_options(cfg).items()]
+            ckpt_cfg, built = load_checkpoint_row(general + [f"decoder={name}"] + options,
+                                                  checkpoints[name], args.config)
+            trained[key] = built
+            row = score_row(ckpt_cfg, built, tags)
+        else:
+            log.info("training %s", name)
+            result = train_and_test(cfg, tags=tags)
+            trained[key] = result.built
+            row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
+        row.swept = swept
+        row.quality = dict(row.module.test_scores)
+        rows.append(row)
+
+    measure_speed(rows, cfgs[0].eval.batch_size, args.repeats, args.speed_examples)
+    device = str(next(rows[0].module.parameters()).device)
+    result = report(rows, cfgs[0], torch.get_num_threads(), device)
+    for row, entry in zip(rows, result["rows"]):
+        metrics = {f"test/{k}": entry[k] for k in ("examples_per_second_bs1", "examples_per_second_batch",
+                                                   "speedup_bs1", "speedup_batch", "peak_memory_mb")
+                   if entry[k] is not None}
+        row.logger.log_metrics(metrics)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table)
+    images = plots(rows, result, out.with_suffix(""))
+    summary = open_tracking(cfgs[0], f"comparison {comparison_id}",
+                            tags={"comparison_id": comparison_id, "role": "summary"})
+    for path in [out, out.with_suffix(".md"), *images]:
+        summary.experiment.log_artifact(summary.run_id, str(path))
+    summary.finalize("success")
+    print(table)
+    print(f"wrote {out}, {out.with_suffix('.md')}, {', '.join(map(str, images))}; comparison id "
+          f"{comparison_id}; total wall time {time.perf_counter() - started:.1f}s")
+    return result
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,316 @@
+"""Blockwise parallel decoding: exact acceptance reproduces sequential greedy decoding token for
+token (alone and in batches where rows accept different lengths), the acceptance rule itself, the
+summed k-head loss, and checkpoint compatibility with the sequential decoder."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoders import available, build_decoder, decoder_class
+from decoders.base import Decoder, output_logits
+from decoders.blockwise import accepted_length, block_tokens
+from tests.conftest import SPECIAL, VOCAB, briefly_trained, random_batch, tiny_t5
+
+EOS = SPECIAL.eos
+
+
+def blockwise(model, **options):
+    return build_decoder("blockwise", model.config, SPECIAL, **options)
+
+
+def sequential(model, max_new_tokens):
+    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=max_new_tokens)
+
+
+def randomise_heads(decoder, seed):
+    """Fresh heads are copies of the base head (W2 = 0); random W2 makes them propose garbage."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for head in decoder.heads:
+            head.w2.weight.copy_(torch.randn(head.w2.weight.shape, generator=g))
+    return decoder
+
+
+def assert_same_output(out, ref):
+    assert out.subsequences == ref.subsequences
+    assert out.tokens == ref.tokens
+    assert out.hit_max_steps == ref.hit_max_steps
+
+
+def assert_consistent_counters(out):
+    assert out.stats["accepted_tokens"] == sum(out.tokens)
+    assert out.stats["blockwise_iterations"] == sum(out.decoder_calls)
+    assert max(out.decoder_calls) == out.batch_decoder_calls
+    for tokens, calls in zip(out.tokens, out.decoder_calls):
+        assert 1 <= calls <= tokens
+
+
+# ---- 1. exactness against the sequential decoder -----------------------------------------------
+
+@pytest.mark.parametrize("seed,block_size,random_heads", [(0, 4, True), (1, 2, True), (2, 4, True),
+                                                         (3, 3, False)])
+def test_matches_sequential_on_random_models(seed, block_size, random_heads):
+    model = tiny_t5(seed)
+    input_ids, attention_mask = random_batch(6, seed=seed + 10)
+    decoder = blockwise(model, block_size=block_size, max_new_tokens=15)
+    if random_heads:
+        randomise_heads(decoder, seed)
+    out = decoder.generate(model, input_ids, attention_mask)
+    ref = sequential(model, 15).generate(model, input_ids, attention_mask)
+    assert_same_output(out, ref)
+    assert_consistent_counters(out)
+    for i in range(0, 6, 2):  # unbatched, unpadded
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert_same_output(alone, sequential(model, 15).generate(model, input_ids[i:i + 1, :n],
+                                                                  attention_mask[i:i + 1, :n]))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny T5 and blockwise heads trained together briefly with the blockwise loss."""
+    decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, max_new_tokens=20)
+    model = briefly_trained(decoder, steps=25)
+    return model, decoder.eval()
+
+
+def test_matches_sequential_after_training_and_accepts_proposals(trained):
+    model, decoder = trained
+    input_ids, attention_mask = random_batch(8, max_len=9, seed=77)
+    out = decoder.generate(model, input_ids, attention_mask)
+    ref = sequential(model, 20).generate(model, input_ids, attention_mask)
+    assert_same_output(out, ref)
+    assert_consistent_counters(out)
+    # acceptance is really exercised: more than one token per call on average, and rows of the same
+    # batch accepted different amounts (so the per-row cache masking matters)
+    assert out.stats["accepted_tokens"] / out.stats["blockwise_iterations"] > 1
+    assert len({t - c for t, c in zip(out.tokens, out.decoder_calls)}) > 1
+    # Unbatched, against sequential decoding of the same unpadded input: on this trained model the
+    # encoder output of a padded row drifts by ~1e-2 from the unpadded one (a T5/fixture effect that
+    # changes near-tie argmaxes for the sequential decoder as well), so alone vs batch is compared on
+    # random models in test_alone_equals_in_batch instead.
+    for i in range(8):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        alone_ref = sequential(model, 20).generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert_same_output(alone, alone_ref)
+        assert_consistent_counters(alone)
+
+
+# ---- 2. the acceptance rule ---------------------------------------------------------------------
+
+def test_accepted_length_exact():
+    proposals = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 9, 7]])
+    base = torch.tensor([[9, 6, 7],     # first proposal rejected: 0
+                         [5, 6, 8],     # partial: 2
+                         [5, 6, 7],     # whole block: 3
+                         [5, 6, 7]])    # a later agreement after a mismatch does not count: 1
+    assert accepted_length(proposals, base[..., None]).tolist() == [0, 2, 3, 1]
+
+
+def test_accepted_length_top_k():
+    proposals = torch.tensor([[5, 6, 7]])
+    top2 = torch.tensor([[[4, 5], [6, 8], [8, 9]]])  # (B, m, top_k): 5 and 6 are among the top 2
+    assert accepted_length(proposals, top2).tolist() == [2]
+    assert accepted_length(proposals, top2[..., :1]).tolist() == [0]
+
+
+def test_block_tokens():
+    assert block_tokens([5, 6, 7], 0, 9, EOS, room=10) == ([9], False)
+    assert block_tokens([5, 6, 7], 2, 9, EOS, room=10) == ([5, 6, 9], False)
+    assert block_tokens([5, 6, 7], 3, 9, EOS, room=10) == ([5, 6, 7, 9], False)
+    # an accepted end token ends the example: the rest of the block and the base token are dropped
+    assert block_tokens([5, EOS, 7], 3, 9, EOS, room=10) == ([5, EOS], True)
+    assert block_tokens([5, 6, 7], 2, EOS, EOS, room=10) == ([5, 6, EOS], True)
+    # max_new_tokens cuts the block
+    assert block_tokens([5, 6, 7], 3, 9, EOS, room=2) == ([5, 6], False)
+
+
+CHAIN = [10, 11, 12, 13, 14, 15, 16, 17, EOS]  # what the rigged model greedily decodes
+
+
+def rigged_model():
+    """A T5 whose decoder ignores context (attention outputs zeroed), so its next token is a fixed
+    function `successor` of the current one, with an output layer rigged so that greedy decoding
+    from the start token yields CHAIN."""
+    model = tiny_t5(0)
+    # untie the output layer from the embeddings, so rigging it leaves the decoder's states alone
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        for block in model.decoder.block:
+            block.layer[0].SelfAttention.o.weight.zero_()
+            block.layer[1].EncDecAttention.o.weight.zero_()
+        hidden = model.decoder(input_ids=torch.arange(VOCAB)[:, None],
+                               encoder_hidden_states=torch.zeros(VOCAB, 1, model.config.d_model)
+                               ).last_hidden_state[:, 0]                      # (V, d): state of each token
+        # row successor(t) of the output layer points along t's state: argmax = successor (Cauchy-Schwarz)
+        model.lm_head.weight.zero_()
+        for current, nxt in zip([SPECIAL.start] + CHAIN[:-1], CHAIN):
+            model.lm_head.weight[nxt] = 100 * hidden[current] / hidden[current].norm()
+        successor = output_logits(model, hidden).argmax(-1)                   # (V,)
+    return model, successor
+
+
+def rig_heads(decoder, successor, wrong_at=None):
+    """Stub heads that know the future: from the state at t they propose the true tokens t+2..t+k
+    (iterating the successor map from the base head's own prediction), except a wrong token at
+    proposal index `wrong_at`."""
+    def proposal_logits(model, hidden):                                        # hidden: (B, d)
+        token = output_logits(model, hidden).argmax(-1)                        # (B,) = token t+1
+        proposals = []
+        for i in range(decoder.block_size - 1):
+            token = successor[token]
+            proposals.append((token + 1) % VOCAB if i == wrong_at else token)
+        return F.one_hot(torch.stack(proposals, -1), VOCAB).float()            # (B, k-1, V)
+    decoder.proposal_logits = proposal_logits
+    return decoder
+
+
+def run_rigged(block_size, wrong_at=None, max_new_tokens=20, top_k=1):
+    model, successor = rigged_model()
+    input_ids, attention_mask = random_batch(3, seed=5)
+    decoder = rig_heads(blockwise(model, block_size=block_size, max_new_tokens=max_new_tokens,
+                                  top_k=top_k), successor, wrong_at)
+    return decoder.generate(model, input_ids, attention_mask), model, input_ids, attention_mask
+
+
+def test_rigged_model_decodes_the_chain():
+    model, _ = rigged_model()
+    input_ids, attention_mask = random_batch(3, seed=5)
+    ref = sequential(model, 20).generate(model, input_ids, attention_mask)
+    assert ref.tokens == [len(CHAIN)] * 3 and ref.subsequences == [[CHAIN[:-1]]] * 3
+
+
+@pytest.mark.parametrize("block_size", [3, 4, 5])
+def test_full_acceptance(block_size):
+    """Perfect proposals: the first call yields 1 token, every later one k (for k = 3 and 5 the last
+    block crosses the end token; what follows it is discarded)."""
+    out, *_ = run_rigged(block_size)
+    assert out.subsequences == [[CHAIN[:-1]]] * 3
+    assert out.tokens == [len(CHAIN)] * 3
+    expected_calls = 1 + -(-(len(CHAIN) - 1) // block_size)
+    assert out.decoder_calls == [expected_calls] * 3 and out.batch_decoder_calls == expected_calls
+    assert out.stats == {"accepted_tokens": 3.0 * len(CHAIN), "blockwise_iterations": 3.0 * expected_calls}
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2])
+def test_partial_and_no_acceptance(wrong_at):
+    """A wrong proposal at index j: exactly j proposals accepted per call (j = 0: none, like
+    sequential decoding), and the output is still the greedy chain."""
+    out, *_ = run_rigged(4, wrong_at=wrong_at)
+    assert out.subsequences == [[CHAIN[:-1]]] * 3
+    assert out.decoder_calls == [1 + -(-(len(CHAIN) - 1) // (wrong_at + 1))] * 3
+
+
+def test_max_new_tokens_cuts_inside_a_block():
+    out, *_ = run_rigged(4, max_new_tokens=6)
+    assert out.subsequences == [[CHAIN[:6]]] * 3
+    assert out.tokens == [6] * 3 and out.decoder_calls == [3] * 3 and out.hit_max_steps == [True] * 3
+
+
+def test_top_k_approximate_acceptance():
+    """With top_k = vocabulary size every proposal passes, even wrong ones: k tokens per call and an
+    output that is no longer the greedy one (the trade-off of Section 5)."""
+    out, *_ = run_rigged(4, wrong_at=1, top_k=VOCAB)
+    assert out.decoder_calls == [1 + -(-(len(CHAIN) - 1) // 4)] * 3
+    assert out.subsequences[0] != [CHAIN[:-1]]
+    exact, *_ = run_rigged(4, wrong_at=1, top_k=1)
+    assert exact.subsequences == [[CHAIN[:-1]]] * 3
+
+
+# ---- 3. alone equals in a batch -----------------------------------------------------------------
+
+def test_alone_equals_in_batch():
+    model = tiny_t5(1)
+    input_ids, attention_mask = random_batch(5, seed=3)
+    decoder = randomise_heads(blockwise(model, block_size=3, max_new_tokens=12), 7)
+    batched = decoder.generate(model, input_ids, attention_mask)
+    for i in range(5):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert alone.subsequences[0] == batched.subsequences[i]
+        assert alone.decoder_calls[0] == batched.decoder_calls[i]
+        assert alone.tokens[0] == batched.tokens[i]
+
+
+# ---- 4. loss ------------------------------------------------------------------------------------
+
+TARGETS = [[[7, 8], [9, 10, 11]], [[12]]]
+
+
+def test_loss_is_base_plus_head_cross_entropies():
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(2, seed=4)
+    decoder = randomise_heads(blockwise(model, block_size=4), 1)
+    layout = decoder.layout(TARGETS)
+    labels = layout["labels"]
+    assert labels.tolist() == sequential(model, 20).layout(TARGETS)["labels"].tolist()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, output_hidden_states=True)
+    hidden = out.decoder_hidden_states[-1]                                    # (B, T, d), final state
+    assert torch.allclose(output_logits(model, hidden), out.logits, atol=1e-5)
+    expected = out.loss
+    for i, head in enumerate(decoder.heads, start=1):  # head i: state at t -> labels[t + i]
+        logits = output_logits(model, head(hidden[:, :-i]))
+        expected = expected + F.cross_entropy(logits.flatten(0, 1), labels[:, i:].flatten(),
+                                              ignore_index=-100)
+    loss = decoder.loss(model, input_ids, attention_mask, layout)
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+
+def test_freeze_backbone_trains_only_heads():
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(2, seed=4)
+    decoder = randomise_heads(blockwise(model, freeze_backbone=True), 1)
+    layout = decoder.layout(TARGETS)
+    loss = decoder.loss(model, input_ids, attention_mask, layout)
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # shared output projection included
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.parameters())
+    unfrozen = blockwise(model)
+    unfrozen.load_state_dict(decoder.state_dict())
+    assert torch.allclose(loss, unfrozen.loss(model, input_ids, attention_mask, layout))
+
+
+def test_heads_are_submodules_and_start_as_the_base_head():
+    model = tiny_t5(0)
+    decoder = blockwise(model, block_size=5)
+    assert len(decoder.heads) == 4
+    assert sum(1 for name in decoder.state_dict() if name.startswith("heads.")) == 8  # W1, W2 each
+    hidden = torch.randn(3, model.config.d_model)
+    proposals = decoder.proposal_logits(model, hidden)                       # (3, k-1, V)
+    assert proposals.shape == (3, 4, model.config.vocab_size)
+    assert torch.equal(proposals, output_logits(model, hidden)[:, None].expand(-1, 4, -1))
+
+
+# ---- 5. checkpoints, options, config ------------------------------------------------------------
+
+def test_sequential_can_decode_a_blockwise_checkpoint():
+    seq, bw = decoder_class("sequential"), decoder_class("blockwise")
+    assert seq.can_decode_checkpoint_of(bw) and bw.can_decode_checkpoint_of(seq)
+
+    class PipelinedLike(Decoder):  # another layout family, like the pipelined decoder
+        layout_family = "pipelined"
+    assert not bw.can_decode_checkpoint_of(PipelinedLike)
+    assert not PipelinedLike.can_decode_checkpoint_of(bw)
+    for name in available():
+        other = decoder_class(name)
+        assert bw.can_decode_checkpoint_of(other) == (other.layout_family == "flat-causal")
+
+
+@pytest.mark.parametrize("option,value", [("block_size", 1), ("top_k", 0), ("max_new_tokens", 0)])
+def test_invalid_options_name_the_value(option, value):
+    with pytest.raises(ValueError, match=rf"decoder\.{option} must be >= .*got {value}"):
+        blockwise(tiny_t5(0), **{option: value})
+
+
+def test_yaml_options_are_the_constructor_arguments():
+    from tasks.config import compose
+    cfg = compose(task="keyphrase", decoder="blockwise")
+    options = {k: v for k, v in cfg.decoder.items() if k != "name"}
+    assert options == {"block_size": 4, "freeze_backbone": False, "top_k": 1,
+                       "max_new_tokens": cfg.data.max_target_length}
+    decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, **options)
+    assert decoder.block_size == 4 and len(decoder.heads) == 3
+
+
+def test_generation_only_options():
+    assert set(decoder_class("blockwise").decode_options) == {"top_k", "max_new_tokens"}
