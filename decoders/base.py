@@ -174,16 +174,21 @@ def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
                 encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
-                cache: EncoderDecoderCache | None = None) -> torch.Tensor:
+                cache: EncoderDecoderCache | None = None,
+                position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
     """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
 
     input_ids: (B, Q) new tokens; self_bias: (B, heads, Q, keys) where keys = cached + Q tokens;
     encoder_mask: (B, source_len) 1/0 padding mask. Returns the final hidden states (B, Q, d_model).
-    With a cache, the new tokens' keys/values are appended to it, in order.
+    With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
+    ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
     """
     decoder = model.decoder
     cross_mask = hidden_mask(encoder_mask[:, None, :].bool(), encoder_states.dtype)  # (B, 1, 1, S)
-    hidden = decoder.dropout(decoder.embed_tokens(input_ids))
+    embedded = decoder.embed_tokens(input_ids)
+    if position_embeddings is not None:
+        embedded = embedded + position_embeddings
+    hidden = decoder.dropout(embedded)
     for block in decoder.block:
         hidden = block(hidden, attention_mask=None, position_bias=self_bias,
                        encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,

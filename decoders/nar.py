@@ -1,0 +1,275 @@
+"""Non-autoregressive decoder: Mask-Predict over a conditional masked language model (CMLM).
+
+Reference: Ghazvininejad, Levy, Liu, Zettlemoyer 2019, "Mask-Predict: Parallel Decoding of
+Conditional Masked Language Models" (EMNLP 2019). One iteration (T=1) is one-pass generation.
+
+Layout: as sequential, target = s_1 <sep> s_2 ... s_m </s> (`join_subsequences`), of length L
+        (end token included); position i of the decoder predicts target token i (no shift).
+Model:  T5's decoder with *bidirectional* self-attention (every position sees every target
+        position) and a learned absolute position embedding added to its input (see below), plus a
+        length predictor: a linear classifier over lengths 1..max_length on the masked mean of the
+        encoder output. Both are submodules of this decoder (trained and checkpointed with it).
+Loss:   per example draw n ~ U{1..L}, replace n uniformly chosen target positions by the mask token,
+        cross-entropy of the masked positions' tokens + length_loss_weight * cross-entropy of L.
+Decode: predict the top-`length_candidates` lengths; for each, start from L mask tokens and predict
+        every position in one pass; then for t = 1..T-1 re-mask the n = floor(L*(T-t)/T) least
+        confident tokens (ties: lower position first) and predict them again, updating tokens and
+        confidences only at the re-masked positions. Keep the candidate with the highest mean
+        log-probability; output its tokens up to the first end token, split on the separator.
+
+Counting: all candidates of all examples go through ONE batched decoder call per iteration, so every
+example takes part in exactly `iterations` decoder calls, whatever its length (`decoder_calls`);
+`tokens` is the chosen candidate's length L (every position is produced, the end token included).
+`hit_max_steps` is True when the predicted length is the bound `max_length` and no end token came,
+i.e. the output may have been cut by the bound.
+
+Position bias: T5's decoder owns a relative-position table made for unidirectional (past-only)
+buckets. Here keys also lie in the future, so the bucket is
+`_relative_position_bucket(key_pos - query_pos, bidirectional=True, ...)` looked up in the first
+decoder layer's `relative_attention_bias`, as T5's encoder does with its own table. With 32 buckets
+the past distances then use buckets 0..15 (coarser) and future distances 16..31, rows that a
+pretrained T5 decoder learned for long past distances: fine-tuning re-learns them. This keeps the
+parameter set of the backbone unchanged (no new table), so a checkpoint stays a plain T5.
+
+Absolute positions: T5 has none; position enters only through the relative bias, i.e. through the
+attention *weights*. In decoding's first pass every input is the mask token, so every value vector
+is the same and any weighting of them gives the same result: without absolute positions all
+positions get the same hidden state and one-pass generation repeats one token L times (re-masking
+could only break the symmetry through float noise). CMLM (a standard Transformer) has absolute
+position embeddings; here a learned table (max_length, d_model) is added to the decoder's input
+embeddings. That is why this decoder adds a learned absolute position table to its inputs
+(`run_decoder(..., position_embeddings=...)`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoders import register
+from decoders.base import (DecodeOutput, Decoder, SpecialTokens, encode, hidden_mask, output_logits,
+                           pad_batch, run_decoder, split_on)
+from decoders.sequential import join_subsequences
+
+
+# ---- pure helpers (tested on their own) ---------------------------------------------------------
+
+def bidirectional_position_bias(model, width: int, device: torch.device) -> torch.Tensor:
+    """T5 relative-position bias for a fully visible target of `width` positions.
+
+    -> (1, heads, width, width). Bucket of (query q, key k) = T5's bidirectional bucketing of k - q,
+    through the first decoder layer's bias table (only layer 0 owns one; see the module docstring).
+    """
+    attention = model.decoder.block[0].layer[0].SelfAttention
+    positions = torch.arange(width, device=device)
+    relative = positions[None, :] - positions[:, None]            # (queries, keys): key - query
+    buckets = attention._relative_position_bucket(
+        relative, bidirectional=True, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance)
+    return attention.relative_attention_bias(buckets).permute(2, 0, 1)[None]
+
+
+def self_attention_bias(model, valid: torch.Tensor) -> torch.Tensor:
+    """Bidirectional self-attention bias of a right-padded target.
+
+    valid: (B, W) bool, True at real target positions -> (B, heads, W, W): relative bias + a large
+    negative value at padding keys. Padding *queries* still see the real keys; their outputs are
+    never used, and this keeps every softmax row non-empty.
+    """
+    width = valid.size(1)
+    relative = bidirectional_position_bias(model, width, valid.device)    # (1, heads, W, W)
+    keys_visible = valid[:, None, :].expand(-1, width, -1)                # (B, W queries, W keys)
+    return relative + hidden_mask(keys_visible, relative.dtype)           # (B, heads, W, W)
+
+
+def tokens_to_remask(confidence: torch.Tensor, lengths: torch.Tensor, iteration: int,
+                     iterations: int) -> torch.Tensor:
+    """Mask-Predict's schedule: which positions to re-mask before iteration `iteration` (0-based).
+
+    confidence: (B, W) score of each current token (a probability or a log-probability: only the
+    order matters); lengths: (B,) real lengths L, positions >= L are padding.
+    Re-masks the n = floor(L * (T - t) / T) least confident real positions of each row (t = 0: all
+    of them); ties are broken towards the lower position; padding is never re-masked.
+    -> (B, W) bool.
+    """
+    if not 0 <= iteration < iterations:
+        raise ValueError(f"iteration must be in 0..{iterations - 1}, got {iteration}")
+    width = confidence.size(1)
+    valid = torch.arange(width, device=confidence.device)[None, :] < lengths[:, None]     # (B, W)
+    count = torch.div(lengths * (iterations - iteration), iterations, rounding_mode="floor")  # (B,)
+    # +inf puts padding after every real position; a stable ascending sort keeps the lower
+    # position first among equal confidences, which makes the choice deterministic.
+    order = torch.sort(confidence.masked_fill(~valid, float("inf")), dim=1, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(width, device=order.device).expand_as(order))              # (B, W)
+    return (rank < count[:, None]) & valid
+
+
+def sample_training_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """CMLM training mask: per row n ~ U{1..L}, then n of the L real positions uniformly at random.
+
+    Uses the global torch RNG (seeded by Lightning), so training is reproducible with the seed.
+    lengths: (B,) -> (B, width) bool.
+    """
+    device = lengths.device
+    batch = lengths.size(0)
+    count = (torch.rand(batch, device=device) * lengths).long().clamp(max=lengths - 1) + 1  # (B,)
+    valid = torch.arange(width, device=device)[None, :] < lengths[:, None]                  # (B, W)
+    # random keys, padding last: the n smallest keys of a row are a uniform n-subset of its positions
+    keys = torch.rand(batch, width, device=device).masked_fill(~valid, 2.0)
+    rank = keys.argsort(dim=1).argsort(dim=1)                                                # (B, W)
+    return rank < count[:, None]
+
+
+# ---- the decoder ----------------------------------------------------------------------------------
+
+@register("nar")
+class MaskPredictDecoder(Decoder):
+    # generation-only: a trained model decodes with any value (tasks.compare sweeps them untrained);
+    # max_length sets the shapes of the trained modules and length_loss_weight the training
+    decode_options = ("iterations", "length_candidates")
+
+    def __init__(self, backbone_config, special: SpecialTokens, iterations: int = 4,
+                 length_candidates: int = 1, length_loss_weight: float = 0.1, max_length: int = 96):
+        super().__init__(backbone_config, special)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"decoder.max_length must be an integer >= 1, got {max_length!r}")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"decoder.iterations must be an integer >= 1, got {iterations!r}")
+        if (isinstance(length_candidates, bool) or not isinstance(length_candidates, int)
+                or not 1 <= length_candidates <= max_length):
+            raise ValueError(f"decoder.length_candidates must be an integer in 1..max_length="
+                             f"{max_length}, got {length_candidates!r}")
+        if (isinstance(length_loss_weight, bool) or not isinstance(length_loss_weight, (int, float))
+                or not 0 <= length_loss_weight < float("inf")):
+            raise ValueError(f"decoder.length_loss_weight must be a finite number >= 0, "
+                             f"got {length_loss_weight!r}")
+        self.iterations = iterations
+        self.length_candidates = length_candidates
+        self.length_loss_weight = float(length_loss_weight)
+        self.max_length = max_length
+        # class k <-> length k + 1; a submodule, so it is trained, checkpointed and moved with the task
+        self.length_predictor = nn.Linear(backbone_config.d_model, max_length)
+        # absolute positions 0..max_length-1 (see the module docstring); initialised at the scale of
+        # T5's own token embeddings (normal, std = initializer_factor) so that positions are told
+        # apart from the first step on
+        self.position_embedding = nn.Embedding(max_length, backbone_config.d_model)
+        nn.init.normal_(self.position_embedding.weight, std=backbone_config.initializer_factor)
+
+    # -- the decoder stack -----------------------------------------------------------------------
+    def decoder_hidden(self, model, decoder_input: torch.Tensor, self_bias: torch.Tensor,
+                       encoder_states: torch.Tensor, encoder_mask: torch.Tensor) -> torch.Tensor:
+        """One decoder pass: T5's blocks on token + absolute position embeddings.
+
+        decoder_input: (B, W) ids, W <= max_length; self_bias: (B, heads, W, W) (bias + visibility);
+        encoder_states: (B, S, d_model); encoder_mask: (B, S) 1/0
+        -> final hidden states (B, W, d_model). As `base.run_decoder`, without a cache: every pass
+        recomputes all positions, since their inputs change.
+        """
+        width = decoder_input.size(1)
+        return run_decoder(model, decoder_input, self_bias, encoder_states, encoder_mask,
+                           position_embeddings=self.position_embedding.weight[None, :width])
+
+    # -- length prediction ---------------------------------------------------------------------
+    def length_logits(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S, d_model) encoder output, (B, S) 1/0 mask -> (B, max_length) logits over lengths 1..max.
+
+        Pooling is a masked mean so that padding added by batching does not change an example's
+        prediction.
+        """
+        weights = attention_mask.to(encoder_states.dtype)[:, :, None]                  # (B, S, 1)
+        pooled = (encoder_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)      # (B, d_model)
+        return self.length_predictor(pooled)
+
+    # -- layout and loss -----------------------------------------------------------------------
+    def layout(self, targets):
+        # A target longer than max_length (the datamodule keeps targets within
+        # data.max_target_length, max_length's default) is cut to it: no decode can be longer.
+        flat = [join_subsequences(subs, self.special.sep, self.special.eos)[: self.max_length]
+                for subs in targets]
+        return {
+            "target": pad_batch(flat, self.special.pad),                     # (B, W)
+            "lengths": torch.tensor([len(f) for f in flat], dtype=torch.long),  # (B,) L, end included
+        }
+
+    def loss(self, model, input_ids, attention_mask, layout):
+        target, lengths = layout["target"], layout["lengths"]                # (B, W), (B,)
+        width = target.size(1)
+        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
+
+        masked = sample_training_mask(lengths, width)                        # (B, W) bool
+        decoder_input = target.masked_fill(masked, self.special.mask)
+        valid = torch.arange(width, device=target.device)[None, :] < lengths[:, None]
+        hidden = self.decoder_hidden(model, decoder_input, self_attention_bias(model, valid),
+                                     encoder_states, attention_mask)        # (B, W, d_model)
+        # the vocabulary projection only where there is a label: the masked positions (M of them)
+        token_loss = F.cross_entropy(output_logits(model, hidden[masked]), target[masked])  # (M, V)
+
+        length_target = lengths - 1                                         # (B,) class index
+        length_loss = F.cross_entropy(self.length_logits(encoder_states, attention_mask), length_target)
+        return token_loss + self.length_loss_weight * length_loss
+
+    # -- generation ----------------------------------------------------------------------------
+    def _predict(self, model, decoder_input, bias, encoder_states, encoder_mask):
+        """One decoder call -> (argmax tokens, their log-probabilities), both (N, W)."""
+        hidden = self.decoder_hidden(model, decoder_input, bias, encoder_states, encoder_mask)
+        log_probs = output_logits(model, hidden).float().log_softmax(-1)     # (N, W, V)
+        # The mask token is never a label, so predicting it means nothing (and it would be
+        # stripped from the text anyway): exclude it from the argmax.
+        log_probs[..., self.special.mask] = float("-inf")
+        confidence, tokens = log_probs.max(-1)
+        return tokens, confidence
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask):
+        batch_size = input_ids.size(0)
+        device = input_ids.device
+        k = self.length_candidates
+        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
+
+        # top-k lengths; a stable descending sort makes equal scores prefer the shorter length
+        length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_length)
+        order = torch.sort(length_scores, dim=1, descending=True, stable=True).indices
+        # (N = B*k,): the k candidates of example 0, then those of example 1, ...
+        lengths = (order[:, :k] + 1).reshape(-1)
+        encoder_states = encoder_states.repeat_interleave(k, dim=0)         # (N, S, d_model)
+        encoder_mask = attention_mask.repeat_interleave(k, dim=0)           # (N, S)
+
+        width = int(lengths.max())
+        valid = torch.arange(width, device=device)[None, :] < lengths[:, None]    # (N, W)
+        bias = self_attention_bias(model, valid)  # (N, heads, W, W): the same for every iteration
+        mask_input = torch.where(valid, self.special.mask, self.special.pad)     # (N, W)
+
+        # iteration 0: every position masked, all predicted in one pass
+        tokens, confidence = self._predict(model, mask_input, bias, encoder_states, encoder_mask)
+        tokens = torch.where(valid, tokens, self.special.pad)  # padding stays padding in later inputs
+        for t in range(1, self.iterations):
+            remask = tokens_to_remask(confidence, lengths, t, self.iterations)            # (N, W)
+            decoder_input = torch.where(remask, self.special.mask, tokens)                # (N, W)
+            new_tokens, new_confidence = self._predict(model, decoder_input, bias, encoder_states,
+                                                       encoder_mask)
+            # as in Mask-Predict, only the re-masked positions change (token and confidence)
+            tokens = torch.where(remask, new_tokens, tokens)
+            confidence = torch.where(remask, new_confidence, confidence)
+
+        # the candidate with the highest mean log-probability (first, i.e. most likely length, on ties)
+        mean_log_prob = (confidence.masked_fill(~valid, 0.0).sum(1) / lengths).view(batch_size, k)
+        best = mean_log_prob.argmax(1) + torch.arange(batch_size, device=device) * k      # (B,) row in N
+        chosen_lengths = lengths[best].tolist()
+        chosen_tokens = tokens[best].tolist()
+
+        subsequences, hit_bound = [], []
+        for row, length in zip(chosen_tokens, chosen_lengths):
+            row = row[:length]
+            ended = self.special.eos in row
+            if ended:
+                row = row[: row.index(self.special.eos)]
+            subsequences.append(split_on(row, self.special.sep))
+            hit_bound.append(length == self.max_length and not ended)
+        return DecodeOutput(
+            subsequences=subsequences,
+            decoder_calls=[self.iterations] * batch_size,
+            tokens=chosen_lengths,
+            hit_max_steps=hit_bound,
+            batch_decoder_calls=self.iterations,
+        )
