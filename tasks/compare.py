@@ -7,13 +7,14 @@ Each decoder is trained (or loaded with --ckpt) and its test split decoded and s
 run. Then speed is measured for all of them in this one process, with the same thread count, after a
 warm-up, interleaving the decoders and taking the median of `--repeats` passes: examples per second at
 batch size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
-prepared beforehand. Peak memory is taken in a separate pass (CUDA: max allocated; CPU: the growth of
-the process's resident set, sampled every millisecond, over its level before the decode).
+prepared beforehand. Peak memory is taken in a separate pass at the eval batch size (CUDA: max
+allocated; CPU: the C heap in use, sampled every millisecond), over its level before the decode.
 Writes FILE.json, FILE.md and two plots next to them, and a summary run to MLflow, all tagged with
 one comparison id.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import statistics
 import threading
@@ -141,17 +142,33 @@ def load_checkpoint_row(cfg_overrides: list[str], path: str, config_file: str | 
 
 # -- timing ---------------------------------------------------------------------------------------
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+def _heap_in_use() -> int | None:
+    """Bytes of C heap in use (glibc mallinfo2: small blocks + mmapped blocks), None off glibc.
+
+    Torch's CPU tensors live on this heap, and unlike the resident set it falls when they are
+    freed, so its peak during a decode is the decode's own working memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 class PeakMemory:
-    """Peak memory of a block: CUDA max allocated, or on CPU the resident-set growth, sampled."""
+    """Peak memory of a block over its level before: CUDA max allocated, or on CPU the C heap in
+    use (sampled every millisecond in a thread)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_mb = 0.0
-
-    @staticmethod
-    def _rss_bytes() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -159,7 +176,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._base = self._rss_bytes()
+            self._base = _heap_in_use() or 0
             self._peak = self._base
             self._running = True
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -168,7 +185,7 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while self._running:
-            self._peak = max(self._peak, self._rss_bytes())
+            self._peak = max(self._peak, _heap_in_use() or 0)
             time.sleep(0.001)
 
     def __exit__(self, *exc):
@@ -178,7 +195,7 @@ class PeakMemory:
         else:
             self._running = False
             self._thread.join()
-            peak = max(self._peak, self._rss_bytes())
+            peak = self._peak
         self.peak_mb = (peak - self._base) / 2 ** 20
 
 
@@ -253,7 +270,7 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
     return {"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
             "threads": threads, "eval_batch_size": cfg.eval.batch_size,
             "memory": "CUDA max allocated" if device.startswith("cuda")
-            else "CPU resident-set growth during decoding", "rows": out_rows}
+            else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)", "rows": out_rows}
 
 
 TELEMETRY_KEYS = {"examples_per_second", "decoder_calls_per_example", "tokens_per_call",
