@@ -31,6 +31,7 @@ from decoders import build_decoder, decoder_class
 from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask
+from tasks.test import checkpoint_config, load_checkpoint, restore
 from tasks.run import (base_parser, build, decoder_options, log, log_artifacts, log_params,
                        main_guard, make_trainer, open_tracking, train_and_test)
 
@@ -127,17 +128,6 @@ def with_decoder(cfg: DictConfig, trained) -> object:
     decoder.load_state_dict(module.decoder.state_dict())
     new = TASK_MODULES[cfg.task.name](cfg, module.backbone, decoder, module.tokenizer)
     return Built(trained.datamodule, new)
-
-
-def load_checkpoint_row(cfg_overrides: list[str], path: str, config_file: str | None):
-    from datamodules.tokenizer import from_serialized
-    from tasks.test import checkpoint_config, load_checkpoint
-    checkpoint = load_checkpoint(path)
-    cfg = checkpoint_config(checkpoint, path, cfg_overrides, config_file)
-    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
-    built = build(cfg, tokenizer=tokenizer)
-    built.module.load_state_dict(checkpoint["state_dict"], strict=False)
-    return cfg, built
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -391,8 +381,11 @@ def main(argv: list[str] | None = None) -> dict:
         elif name in checkpoints:
             general = [o for o in args.overrides if not o.startswith("decoder.")]
             options = [f"decoder.{k}={v}" for k, v in decoder_options(cfg).items()]
-            ckpt_cfg, built = load_checkpoint_row(general + [f"decoder={name}"] + options,
-                                                  checkpoints[name], args.config)
+            path = checkpoints[name]
+            checkpoint = load_checkpoint(path)
+            ckpt_cfg = checkpoint_config(checkpoint, path, general + [f"decoder={name}"] + options,
+                                         args.config)
+            built = restore(checkpoint, path, ckpt_cfg)
             trained[key] = built
             row = score_row(ckpt_cfg, built, tags)
         else:

@@ -44,6 +44,23 @@ def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_
     return cfg
 
 
+def restore(checkpoint: dict, path: str, cfg):
+    """Data, model and decoder for `cfg` (from `checkpoint_config`), with the checkpoint's weights.
+
+    Weights of modules the chosen decoder lacks (e.g. blockwise heads when decoding sequentially)
+    are ignored; every weight the model needs must be there."""
+    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
+    built = build(cfg, tokenizer=tokenizer)
+    try:
+        missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
+    except RuntimeError as err:  # shapes differ: an option that sizes a module was changed
+        raise ConfigError(f"checkpoint {path} does not fit the configured model (was an option "
+                          f"that sizes a module changed?): {str(err).splitlines()[-1].strip()}") from err
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks weights the model needs: {missing[:5]}")
+    return built
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by tasks.fit")
@@ -56,13 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     logger = open_tracking(cfg, f"test {default_run_name(cfg)}", tags={"checkpoint": args.ckpt})
-    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
-    built = build(cfg, tokenizer=tokenizer)
-    # strict=False only for modules the chosen decoder does not have (e.g. blockwise heads when
-    # decoding sequentially); every backbone weight must load.
-    missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
-    if missing:
-        raise ConfigError(f"checkpoint {args.ckpt} lacks weights the model needs: {missing[:5]}")
+    built = restore(checkpoint, args.ckpt, cfg)
     log_params(logger, cfg, built.datamodule)
     trainer = make_trainer(cfg, logger)
     trainer.test(built.module, datamodule=built.datamodule, verbose=False)

@@ -73,3 +73,16 @@ def briefly_trained(decoder, steps: int = 60, seed: int = 0) -> T5ForConditional
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+def assert_alone_equals_batched(decoder, model, input_ids, attention_mask):
+    """Each example decoded alone (unpadded) gives what it gives inside the padded batch: the same
+    subsequences, tokens and decoder calls. Returns the batched output."""
+    batched = decoder.generate(model, input_ids, attention_mask)
+    for i in range(input_ids.size(0)):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert alone.subsequences[0] == batched.subsequences[i]
+        assert alone.decoder_calls[0] == batched.decoder_calls[i]
+        assert alone.tokens[0] == batched.tokens[i]
+    return batched

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from decoders import available, build_decoder, decoder_class
 from decoders.base import Decoder, output_logits
 from decoders.blockwise import accepted_length, block_tokens
-from tests.conftest import SPECIAL, VOCAB, briefly_trained, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
+                            random_batch, tiny_t5)
 
 EOS = SPECIAL.eos
 
@@ -223,13 +224,7 @@ def test_alone_equals_in_batch():
     model = tiny_t5(1)
     input_ids, attention_mask = random_batch(5, seed=3)
     decoder = randomise_heads(blockwise(model, block_size=3, max_new_tokens=12), 7)
-    batched = decoder.generate(model, input_ids, attention_mask)
-    for i in range(5):
-        n = int(attention_mask[i].sum())
-        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
-        assert alone.subsequences[0] == batched.subsequences[i]
-        assert alone.decoder_calls[0] == batched.decoder_calls[i]
-        assert alone.tokens[0] == batched.tokens[i]
+    assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
 
 # ---- 4. loss ------------------------------------------------------------------------------------

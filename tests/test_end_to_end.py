@@ -6,6 +6,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks import fit, test as test_entry
+from tasks.config import ConfigError
 
 TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
         "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
@@ -51,3 +52,8 @@ def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
                              "trainer.enable_progress_bar=false"])
     assert again["run_id"] != result["run_id"]
     assert again["scores"][QUALITY[task]] == pytest.approx(result["scores"][QUALITY[task]], abs=1e-9)
+
+    # a checkpoint refuses a decoder of another layout, naming both
+    with pytest.raises(ConfigError, match="trained with decoder 'sequential'; decoder 'pipelined' "
+                                          "cannot decode it"):
+        test_entry.main(["--ckpt", result["checkpoint"], "decoder=pipelined", *tracking(tmp_path)])

@@ -4,7 +4,8 @@ import torch
 
 from decoders import build_decoder
 from decoders.pipelined import Grid, attention_bias
-from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained, random_batch,
+                            tiny_t5)
 
 
 def pipelined(model, **options):
@@ -130,13 +131,7 @@ def test_alone_equals_in_batch():
     model = trained_model(1)
     decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40)
     input_ids, attention_mask = random_batch(6, max_len=9, seed=21)
-    batched = decoder.generate(model, input_ids, attention_mask)
-    for i in range(6):
-        n = int(attention_mask[i].sum())
-        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
-        assert alone.subsequences[0] == batched.subsequences[i]
-        assert alone.decoder_calls[0] == batched.decoder_calls[i]
-        assert alone.tokens[0] == batched.tokens[i]
+    assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
 
 def test_fewer_calls_than_tokens_and_bounds_reported():

@@ -4,7 +4,8 @@ import torch
 
 from decoders import build_decoder
 from decoders.base import split_on
-from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained, random_batch,
+                            tiny_t5)
 
 
 def reference_subsequences(model, input_ids, attention_mask, max_new_tokens):
@@ -45,12 +46,7 @@ def test_alone_equals_in_batch():
     model = tiny_t5(1)
     input_ids, attention_mask = random_batch(5, seed=3)
     decoder = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=12)
-    batched = decoder.generate(model, input_ids, attention_mask)
-    for i in range(5):
-        n = int(attention_mask[i].sum())
-        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
-        assert alone.subsequences[0] == batched.subsequences[i]
-        assert alone.decoder_calls[0] == batched.decoder_calls[i]
+    assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
 
 def test_layout_joins_with_separator_and_ends():
