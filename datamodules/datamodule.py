@@ -9,7 +9,7 @@ The raw records stay available (`records(split)`) so that scoring uses the untru
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import tokenizer as tok
-from datamodules.schema import DataError, schema_for, target_texts
+from datamodules.schema import schema_for, target_texts
 from datamodules.sources import SPLITS, load_split
 from decoders.base import pad_batch
 

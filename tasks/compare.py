@@ -32,7 +32,7 @@ from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask
 from tasks.test import checkpoint_config, load_checkpoint, restore
-from tasks.run import (base_parser, build, decoder_options, log, log_artifacts, log_params,
+from tasks.run import (base_parser, decoder_options, log, log_artifacts, log_params,
                        main_guard, make_trainer, open_tracking, train_and_test)
 
 

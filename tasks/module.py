@@ -8,6 +8,7 @@ reports and how a record's fields feed them.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import lightning as L
@@ -199,7 +200,6 @@ TASK_MODULES: dict[str, type[GenerationTask]] = {
 
 def write_jsonl(rows: list[dict], path) -> None:
     """Write rows to `path` through a temporary file, so no half-written file is left behind."""
-    import os
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
         for row in rows:

@@ -1,6 +1,5 @@
 """`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, MLflow runs by tag, plots."""
 import json
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
