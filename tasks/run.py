@@ -123,7 +123,10 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None) -> Trained:
                                  save_last=True)
     trainer = make_trainer(cfg, logger, callbacks=[checkpoint])
     trainer.fit(built.module, datamodule=built.datamodule)
-    best = checkpoint.best_model_path or checkpoint.last_model_path
+    # The best checkpoint by the task's metric; the last one when the metric never rose above 0
+    # (ties keep the earliest checkpoint, which would otherwise test a barely trained model).
+    improved = checkpoint.best_model_score is not None and float(checkpoint.best_model_score) > 0
+    best = checkpoint.best_model_path if improved else checkpoint.last_model_path
     trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
     log_artifacts(logger, cfg, built.module.prediction_rows("test"))
     return Trained(built, logger, best, built.module.test_scores)
