@@ -7,7 +7,10 @@
 # epoch-0 checkpoint (its validation F1 never rose above 0, and ties kept the first checkpoint; fixed
 # since: tasks.fit now tests the last checkpoint in that case). Pass step 1's checkpoints as
 # NAME=mlruns/artifacts/<run id>/checkpoints/<file>.ckpt (the run ids are in step 1's JSON).
+# Step 3 (KP20K) is step 1 and step 2 with DATA below appended and --out results/kp20k.json, its
+# re-score taking each decoder's last.ckpt.
 set -euo pipefail
+DATA="data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200"  # step 3
 COMMON="--task keyphrase --decoders sequential,pipelined,blockwise,nar --sweep decoder.iterations=1,2,4,10
         --speed-examples 100 --repeats 3 --threads 2 eval.batch_size=16 trainer.enable_progress_bar=false"
 if [ "$#" -eq 0 ]; then
