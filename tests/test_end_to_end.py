@@ -22,6 +22,7 @@ def tracking(tmp_path: Path) -> list[str]:
             f"data.tokenizer_cache={tmp_path}/tok"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["keyphrase", "qa", "summarization"])
 def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
     result = fit.main(["--task", task, *TINY, *tracking(tmp_path)])
