@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from decoders import build_decoder, decoder_class
 from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
-from tasks.module import TASK_MODULES, GenerationTask
+from tasks.module import TASK_MODULES, GenerationTask, timed_generate
 from tasks.test import checkpoint_config, load_checkpoint, restore
 from tasks.run import (base_parser, decoder_options, log, log_artifacts, log_params,
                        main_guard, make_trainer, open_tracking, train_and_test)
@@ -42,8 +42,8 @@ class Row:
     module: GenerationTask
     datamodule: object
     logger: object
-    quality: dict = field(default_factory=dict)
-    telemetry: dict = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)     # the task's metrics on the test split
+    telemetry: dict = field(default_factory=dict)   # decoder calls, tokens per call, ...
     speed: dict = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)   # per test example, batch size 1
     swept: list[str] = field(default_factory=list)         # options this row's sweep set
@@ -189,17 +189,11 @@ class PeakMemory:
         self.peak_mb = (peak - self._base) / 2 ** 20
 
 
-def timed_generate(row: Row, batch: dict) -> float:
+def time_row(row: Row, batch: dict) -> float:
     module = row.module
     device = next(module.parameters()).device
-    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    module.decoder.generate(module.backbone, input_ids, mask)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return timed_generate(module.decoder, module.backbone, batch["input_ids"].to(device),
+                          batch["attention_mask"].to(device))[1]
 
 
 def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | None) -> None:
@@ -212,14 +206,14 @@ def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | N
         row.module.eval()
         with torch.inference_mode():
             for batch in singles[:3] + batches[:1]:
-                timed_generate(row, batch)
+                time_row(row, batch)
     single_runs = {id(r): [] for r in rows}
     batch_runs = {id(r): [] for r in rows}
     with torch.inference_mode(), tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
         for _ in range(repeats):
             for row in rows:
-                single_runs[id(row)].append([timed_generate(row, b) for b in singles])
-                batch_runs[id(row)].append(sum(timed_generate(row, b) for b in batches))
+                single_runs[id(row)].append([time_row(row, b) for b in singles])
+                batch_runs[id(row)].append(sum(time_row(row, b) for b in batches))
                 bar.update()
         for row in rows:
             runs = single_runs[id(row)]
@@ -229,7 +223,7 @@ def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | N
             device = next(row.module.parameters()).device
             with PeakMemory(device) as memory:
                 for batch in batches:
-                    timed_generate(row, batch)
+                    time_row(row, batch)
             row.speed["peak_memory_mb"] = memory.peak_mb
 
 
@@ -239,15 +233,15 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     out_rows = []
     for row in rows:
-        calls = row.quality.get("decoder_calls_per_example")
+        calls = row.telemetry.get("decoder_calls_per_example")
         entry = {
             "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
-            "quality": {k: v for k, v in row.quality.items() if k not in TELEMETRY_KEYS},
+            "quality": row.quality,
             "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
             "examples_per_second_batch": row.speed["examples_per_second_batch"],
             "speedup_bs1": None, "speedup_batch": None,
             "decoder_calls_per_example": calls,
-            "tokens_per_call": row.quality.get("tokens_per_call"),
+            "tokens_per_call": row.telemetry.get("tokens_per_call"),
             "peak_memory_mb": row.speed["peak_memory_mb"],
             "mlflow_run_id": row.logger.run_id,
         }
@@ -261,10 +255,6 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
             "threads": threads, "eval_batch_size": cfg.eval.batch_size,
             "memory": "CUDA max allocated" if device.startswith("cuda")
             else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)", "rows": out_rows}
-
-
-TELEMETRY_KEYS = {"examples_per_second", "decoder_calls_per_example", "tokens_per_call",
-                  "max_steps_hit", "decode_seconds", "accepted_tokens", "blockwise_iterations"}
 
 
 def markdown(result: dict) -> str:
@@ -394,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
             trained[key] = result.built
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
         row.swept = swept
-        row.quality = dict(row.module.test_scores)
+        row.quality = dict(row.module.quality_scores)
+        row.telemetry = dict(row.module.test_scores)
         rows.append(row)
 
     measure_speed(rows, cfgs[0].eval.batch_size, args.repeats, args.speed_examples)

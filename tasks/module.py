@@ -21,13 +21,26 @@ from decoders.base import Decoder
 from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
 
 
+def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor):
+    """(DecodeOutput, seconds) of one `generate` call: encoder + decoder calls only; on a GPU the
+    queued work is waited for on both sides so the time is the decode's own."""
+    cuda = input_ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = decoder.generate(model, input_ids, attention_mask)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
 class DecodeTelemetry:
     """Per-example decoding counters of one validation/test pass, keyed by dataset index."""
 
     def __init__(self) -> None:
         self.rows: dict[int, dict] = {}
         self.seconds = 0.0
-        self.batch_decoder_calls = 0
         self.stats: dict[str, float] = {}
 
     def summary(self) -> dict[str, float]:
@@ -83,14 +96,9 @@ class GenerationTask(L.LightningModule):
     # -- decoding and scoring ------------------------------------------------------------------
     def decode_batch(self, batch) -> list[list[str]]:
         """Generate for one batch, record telemetry, return the predicted subsequences as text."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = self.decoder.generate(self.backbone, batch["input_ids"], batch["attention_mask"])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.telemetry.seconds += time.perf_counter() - start
-        self.telemetry.batch_decoder_calls += out.batch_decoder_calls
+        out, seconds = timed_generate(self.decoder, self.backbone, batch["input_ids"],
+                                      batch["attention_mask"])
+        self.telemetry.seconds += seconds
         for key, value in out.stats.items():
             self.telemetry.stats[key] = self.telemetry.stats.get(key, 0.0) + value
 
@@ -116,10 +124,11 @@ class GenerationTask(L.LightningModule):
         self.telemetry = DecodeTelemetry()
 
     def _eval_end(self, split: str) -> dict[str, float]:
-        scores: dict[str, float] = {}
+        """Log and return the task's quality scores followed by the decoding telemetry."""
+        self.quality_scores: dict[str, float] = {}
         for metric in self.metrics.values():
-            scores.update({k: float(v) for k, v in metric.compute().items()})
-        scores.update(self.telemetry.summary())
+            self.quality_scores.update({k: float(v) for k, v in metric.compute().items()})
+        scores = {**self.quality_scores, **self.telemetry.summary()}
         self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=False)
         return scores
 
