@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from datamodules import tokenizer as tok
-from datamodules.schema import schema_for, target_texts
+from datamodules.schema import DataError, schema_for, target_texts
 from datamodules.sources import SPLITS, load_split
 from decoders.base import pad_batch
 
@@ -32,12 +33,14 @@ class Encoded:
 
 
 @dataclass
-class Truncation:
-    """What the length limits cut, per split; reported once and logged to MLflow."""
+class DataReport:
+    """What the length limits cut, and how many examples have no target, per split; reported once
+    and logged to MLflow."""
 
     sources_truncated: int = 0
     subsequences_truncated: int = 0
     subsequences_dropped: int = 0
+    empty_targets: int = 0
     examples: int = 0
 
     def any(self) -> bool:
@@ -56,7 +59,7 @@ class _Split(Dataset):
 
 
 def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
-                report: Truncation) -> list[list[int]]:
+                report: DataReport) -> list[list[int]]:
     """Keep subsequences, in order, while the flat layout (s_1 <sep> ... s_m </s>) fits `max_length`.
 
     The same cut applies to every decoder, so all of them train on the same targets.
@@ -90,7 +93,7 @@ class SubsequenceDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self._records: dict[str, list[dict]] = {}
         self._encoded: dict[str, list[Encoded]] = {}
-        self.truncation: dict[str, Truncation] = {}
+        self.report: dict[str, DataReport] = {}
 
     # -- loading ----------------------------------------------------------------------------------
     def load_records(self) -> None:
@@ -116,8 +119,15 @@ class SubsequenceDataModule(L.LightningDataModule):
         if self.tokenizer is None:
             self.tokenizer = self._build_tokenizer()
         for split in SPLITS:
-            self._encoded[split], self.truncation[split] = self._encode(self._records[split])
-            report = self.truncation[split]
+            self._encoded[split], self.report[split] = self._encode(self._records[split])
+            report = self.report[split]
+            if report.empty_targets == report.examples and split != "test":
+                # nothing to learn from or to select a checkpoint by (the test split may be unlabelled)
+                raise DataError(f"{split} split: all {report.examples} examples have empty targets "
+                                f"(field {schema_for(self.task).target_field!r})")
+            if report.empty_targets:
+                log.warning("%s split: %d of %d examples have no target; the decoders learn to "
+                            "output nothing for them", split, report.empty_targets, report.examples)
             if report.any():
                 log.warning("%s split: %d of %d sources truncated to %d tokens; %d subsequences "
                             "truncated and %d dropped to fit data.max_target_length=%d / "
@@ -134,9 +144,9 @@ class SubsequenceDataModule(L.LightningDataModule):
             return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
         return tok.load_pretrained(self.model_cfg.hub_id)
 
-    def _encode(self, records: list[dict]) -> tuple[list[Encoded], Truncation]:
+    def _encode(self, records: list[dict]) -> tuple[list[Encoded], DataReport]:
         schema = schema_for(self.task)
-        report = Truncation(examples=len(records))
+        report = DataReport(examples=len(records))
         sources = self.tokenizer([schema.source_text(r) for r in records],
                                  add_special_tokens=False)["input_ids"]
         eos = self.tokenizer.eos_token_id
@@ -147,6 +157,7 @@ class SubsequenceDataModule(L.LightningDataModule):
                 report.sources_truncated += 1
                 source = source[:limit]
             texts = target_texts(self.task, record)
+            report.empty_targets += not texts
             subsequences = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
             targets = fit_targets(subsequences, self.data.max_target_length,
                                   self.data.max_subsequences, report)
@@ -167,17 +178,55 @@ class SubsequenceDataModule(L.LightningDataModule):
         self.setup()
         return _Split(self._encoded[split])
 
-    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.dataset(split), batch_size=batch_size, shuffle=shuffle,
+    def _loader(self, split: str, batch_size: int, sampler: Sampler) -> DataLoader:
+        # Its own generator: otherwise every new iterator draws its workers' base seed from torch's
+        # global generator, and when an iterator is made (before or after an epoch's reseeding, see
+        # GenerationTask.on_train_epoch_start) would change the training's random draws.
+        return DataLoader(self.dataset(split), batch_size=batch_size, sampler=sampler,
                           collate_fn=self.collate, num_workers=self.data.num_workers,
-                          generator=generator)
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.train_batch_size, shuffle=True)
+        # The order of epoch e is a function of (seed, e) alone (the sampler reseeds from
+        # `set_epoch`, which the trainer calls), so a resumed run sees the same batches as an
+        # uninterrupted one. Under DDP every process takes its share; the sampler pads the last
+        # share with repeats so that all processes step together, which training tolerates.
+        world, rank = process_group()
+        sampler = DistributedSampler(self.dataset("train"), num_replicas=world, rank=rank,
+                                     shuffle=True, seed=self.seed)
+        return self._loader("train", self.train_batch_size, sampler)
+
+    def _evaluation_loader(self, split: str) -> DataLoader:
+        return self._loader(split, self.eval_batch_size, EvaluationShard(len(self.dataset(split))))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", self.eval_batch_size, shuffle=False)
+        return self._evaluation_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, shuffle=False)
+        return self._evaluation_loader("test")
+
+
+def process_group() -> tuple[int, int]:
+    """(world size, rank) of the running torch.distributed group; (1, 0) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class EvaluationShard(Sampler[int]):
+    """This process's share of an evaluation split, in dataset order, without padding.
+
+    torch's DistributedSampler repeats examples so that every process gets as many; a repeated
+    example would be scored twice. Here process r of w takes examples r, r + w, r + 2w, ...: the
+    shares differ by at most one example, and together they hold each example exactly once.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.world, self.rank = process_group()
+
+    def __iter__(self):
+        return iter(range(self.rank, self.size, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world))

@@ -140,6 +140,8 @@ def _check_against(base: DictConfig, update: DictConfig, origin: str, prefix: st
             raise ConfigError(f"{origin}: unknown key {path!r}; allowed keys under "
                               f"{prefix[:-1] or 'the top level'}: {', '.join(sorted(map(str, base)))}")
         default = OmegaConf.to_container(base, resolve=False)[key]
+        if isinstance(default, str) and default.startswith("${"):
+            default = base[key]  # an interpolated default: the value it resolves to gives the type
         if isinstance(default, dict):
             if not isinstance(value, dict):
                 raise ConfigError(f"{origin}: {path!r} is a group of keys ({', '.join(default)}), "

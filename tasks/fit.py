@@ -1,19 +1,29 @@
 """Train a model with a chosen decoder, decode the test split, score it and track it in MLflow.
 
     python -m tasks.fit --task keyphrase --decoder pipelined [--config FILE.yaml] [key=value ...]
+
+An interrupted fit (crashed, killed, Ctrl-C) goes on from its last checkpoint, in the same MLflow
+run, when the same command is given again with `--resume` (or `--resume RUN_ID`). Checkpoints are
+written at the end of every epoch, so the epoch that was interrupted is redone from its start; its
+batches and random draws are those of an uninterrupted run (they are seeded from seed and epoch).
 """
 from __future__ import annotations
 
 import time
 
 from tasks.config import compose, to_yaml
-from tasks.run import base_parser, log, main_guard, train_and_test
+from tasks.run import base_parser, find_resumable, log, main_guard, train_and_test
+
+LATEST = object()  # `--resume` without a run id
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--task", help="keyphrase, qa or summarization (default: keyphrase)")
     parser.add_argument("--decoder", help="a registered decoder name (default: sequential)")
+    parser.add_argument("--resume", nargs="?", const=LATEST, metavar="RUN_ID",
+                        help="go on with the latest unfinished run of this configuration "
+                             "(or with run RUN_ID) from its last checkpoint")
     args = parser.parse_args(argv)
     cfg = compose(args.task, args.decoder, args.config, args.overrides)
     if args.print_config:
@@ -21,7 +31,11 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     started = time.perf_counter()
-    result = train_and_test(cfg)
+    resume = None
+    if args.resume is not None:
+        resume = find_resumable(cfg, None if args.resume is LATEST else args.resume)
+        log.info("resuming MLflow run %s from %s", resume.run_id, resume.checkpoint)
+    result = train_and_test(cfg, resume=resume)
     log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.scores.items())))
     log.info("checkpoint: %s", result.checkpoint)
     log.info("MLflow run %s in experiment %r (%s); wall time %.1fs", result.logger.run_id,

@@ -16,6 +16,7 @@ def build_backbone(model: DictConfig, tokenizer) -> T5ForConditionalGeneration:
         config = T5Config(vocab_size=len(tokenizer), d_model=model.d_model, d_ff=model.d_ff,
                           d_kv=model.d_kv, num_heads=model.num_heads, num_layers=model.num_layers,
                           num_decoder_layers=model.num_decoder_layers, dropout_rate=model.dropout,
+                          initializer_factor=float(model.initializer_factor),
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           decoder_start_token_id=tokenizer.pad_token_id)
         config._attn_implementation = "eager"

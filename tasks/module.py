@@ -8,17 +8,22 @@ reports and how a record's fields feed them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 import lightning as L
+import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_linear_schedule_with_warmup
 
 from datamodules.schema import schema_for, target_texts
 from decoders.base import Decoder
 from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
+
+log = logging.getLogger("tasks")
 
 
 def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
@@ -57,6 +62,24 @@ class DecodeTelemetry:
         out.update(self.stats)
         return out
 
+    @classmethod
+    def merged(cls, parts: list["DecodeTelemetry"]) -> "DecodeTelemetry":
+        """The telemetry of all processes of a distributed run: every example once (the evaluation
+        shards are disjoint), decode seconds and decoder statistics summed, so examples per second
+        is the throughput of one process, as in a single-process run."""
+        whole = cls()
+        for part in parts:
+            whole.rows.update(part.rows)
+            whole.seconds += part.seconds
+            for key, value in part.stats.items():
+                whole.stats[key] = whole.stats.get(key, 0.0) + value
+        return whole
+
+
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    """A seed for torch's global generator in one epoch of one process, derived from the run's seed."""
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
 
 class GenerationTask(L.LightningModule):
     primary_metric = ""  # the validation metric that picks the best checkpoint
@@ -79,6 +102,13 @@ class GenerationTask(L.LightningModule):
         raise NotImplementedError
 
     # -- training ------------------------------------------------------------------------------
+    def on_train_epoch_start(self):
+        # Dropout and the decoders' own draws (e.g. NAR's training masks) use torch's global
+        # generator. Reseeding it from (seed, epoch, rank) makes an epoch's draws independent of
+        # whatever ran before it (validation, a restart from a checkpoint), so a resumed run trains
+        # exactly like an uninterrupted one; the batch order is seeded the same way by the sampler.
+        torch.manual_seed(epoch_seed(self.cfg.seed, self.current_epoch, self.global_rank))
+
     def training_step(self, batch, batch_idx):
         layout = {k: v.to(self.device) for k, v in self.decoder.layout(batch["targets"]).items()}
         loss = self.decoder.loss(self.backbone, batch["input_ids"], batch["attention_mask"], layout)
@@ -124,12 +154,26 @@ class GenerationTask(L.LightningModule):
         self.telemetry = DecodeTelemetry()
 
     def _eval_end(self, split: str) -> dict[str, float]:
-        """Log and return the task's quality scores followed by the decoding telemetry."""
+        """Log and return the task's quality scores followed by the decoding telemetry.
+
+        Under DDP each process decoded its own shard: the metrics' `compute` sums their statistics
+        over the processes, and the telemetry (hence the predictions) is gathered here, so every
+        process holds and logs the same whole-split values."""
         self.quality_scores: dict[str, float] = {}
         for metric in self.metrics.values():
             self.quality_scores.update({k: float(v) for k, v in metric.compute().items()})
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.telemetry)
+            self.telemetry = DecodeTelemetry.merged(parts)
         scores = {**self.quality_scores, **self.telemetry.summary()}
-        self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=False)
+        if scores["max_steps_hit"]:
+            log.warning("%s: %d of %d examples reached the decoder's step bound; their outputs may "
+                        "be cut (see the decoder's max_steps / max_length options)", split,
+                        int(scores["max_steps_hit"]), len(self.telemetry.rows))
+        # The values are already whole-split ones, equal on every process: reducing them with
+        # "max" keeps them exact (and stops Lightning advising to reduce epoch-level values).
+        self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=True, reduce_fx="max")
         return scores
 
     def validation_step(self, batch, batch_idx):

@@ -3,20 +3,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sqlite3
 import sys
 import tempfile
-from dataclasses import dataclass
+from contextlib import closing, contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
-from omegaconf import DictConfig
+from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
 
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
-from datamodules.tokenizer import TokenizerError, special_tokens
+from datamodules.tokenizer import TokenizerError, from_serialized, special_tokens
 from decoders import build_decoder
 from tasks.config import ConfigError, flatten, to_yaml
 from tasks.models import ModelError, build_backbone
@@ -54,9 +59,13 @@ def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
                   run_id: str | None = None) -> MLFlowLogger:
     """The MLflow logger of one run; fails before any training if the store cannot be opened."""
     from mlflow.tracking import MlflowClient
-    if cfg.tracking.uri.startswith("sqlite:///"):
-        Path(cfg.tracking.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     try:
+        if cfg.tracking.uri.startswith("sqlite:///"):
+            # opened directly first: MLflow retries a database it cannot open for ~100 s
+            database = Path(cfg.tracking.uri[len("sqlite:///"):])
+            database.parent.mkdir(parents=True, exist_ok=True)
+            with closing(sqlite3.connect(database)) as connection:
+                connection.execute("PRAGMA schema_version")
         MlflowClient(cfg.tracking.uri).search_experiments(max_results=1)
     except Exception as err:  # any failure here means the store is unusable
         raise ConfigError(f"cannot open tracking.uri={cfg.tracking.uri!r}: "
@@ -72,17 +81,39 @@ def default_run_name(cfg: DictConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}"
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint under a temporary name and renames it into place, so that a crash or a
+    full disk mid-write leaves the previous file (or none), never a truncated one under the final
+    name that a later resume or test would take for complete."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        try:
+            torch.save(checkpoint, partial)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
 def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> L.Trainer:
+    if "use_distributed_sampler" in cfg.trainer or "plugins" in cfg.trainer:
+        raise ConfigError("trainer.use_distributed_sampler and trainer.plugins are set by the "
+                          "library (its samplers keep DDP evaluation free of duplicates; its "
+                          "checkpoint writer is atomic); remove them from the configuration")
     return L.Trainer(**cfg.trainer, logger=logger if logger is not None else False,
                      callbacks=list(callbacks), enable_autolog_hparams=False,
-                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                     use_distributed_sampler=False, plugins=[AtomicCheckpointIO()])
 
 
-def run_folder(cfg: DictConfig, logger: MLFlowLogger) -> Path:
-    """The run's own folder in the artifact store; checkpoints live in `checkpoints/` under it."""
-    return Path(cfg.tracking.artifact_location).resolve() / logger.run_id
+def run_folder(cfg: DictConfig, run_id: str) -> Path:
+    """A run's own folder in the artifact store; checkpoints live in `checkpoints/` under it."""
+    return Path(cfg.tracking.artifact_location).resolve() / run_id
 
 
+@rank_zero_only
 def log_artifacts(logger: MLFlowLogger, cfg: DictConfig, rows: list[dict] | None) -> None:
     """The resolved config and, when there are any, the predictions, as artifacts of the run."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,11 +126,8 @@ def log_artifacts(logger: MLFlowLogger, cfg: DictConfig, rows: list[dict] | None
 
 def log_params(logger: MLFlowLogger, cfg: DictConfig, datamodule: SubsequenceDataModule) -> None:
     params = flatten(cfg)
-    for split, report in datamodule.truncation.items():
-        params[f"data_report.{split}.examples"] = report.examples
-        params[f"data_report.{split}.sources_truncated"] = report.sources_truncated
-        params[f"data_report.{split}.subsequences_truncated"] = report.subsequences_truncated
-        params[f"data_report.{split}.subsequences_dropped"] = report.subsequences_dropped
+    for split, report in datamodule.report.items():
+        params.update({f"data_report.{split}.{key}": value for key, value in asdict(report).items()})
     logger.log_hyperparams(params)
 
 
@@ -111,24 +139,132 @@ class Trained:
     scores: dict[str, float]
 
 
-def train_and_test(cfg: DictConfig, tags: dict | None = None) -> Trained:
+class _ExceptionWatcher(Callback):
+    """Remembers the exception the trainer saw: Lightning turns Ctrl-C into `SystemExit`."""
+
+    exception: BaseException | None = None
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.exception = exception
+
+
+@contextmanager
+def run_status(logger: MLFlowLogger, watcher: _ExceptionWatcher):
+    """Marks the MLflow run KILLED on Ctrl-C and FAILED on any other error, with the error message
+    as the run's `error` tag, then lets the error go on. (A run killed by a signal that cannot be
+    caught stays RUNNING; `tasks.fit --resume` takes it up like a failed one.)"""
+    try:
+        yield
+    except BaseException as err:
+        cause = watcher.exception or err
+        if rank_zero_only.rank == 0:
+            status = "KILLED" if isinstance(cause, KeyboardInterrupt) else "FAILED"
+            message = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            logger.experiment.set_tag(logger.run_id, "error", message[:5000])
+            logger.experiment.set_terminated(logger.run_id, status)
+        raise
+
+
+@dataclass
+class Resume:
+    """Where an unfinished fit is taken up: its MLflow run and its last checkpoint."""
+    run_id: str
+    checkpoint: str
+    tokenizer_json: str | None  # the run's own tokenizer (t5-tiny), not retrained on resume
+
+
+def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
+    """The run `run_id`, or the latest unfinished run of the experiment, with its last checkpoint;
+    refused when that checkpoint was trained with another configuration than `cfg`."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(cfg.tracking.uri)
+    experiment_name = cfg.tracking.experiment or cfg.task.name
+    if run_id is not None:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as err:
+            raise ConfigError(f"--resume {run_id}: no such run in tracking.uri={cfg.tracking.uri!r}") from err
+        if run.info.status == "FINISHED":
+            raise ConfigError(f"--resume {run_id}: that run finished; there is nothing to resume")
+        candidates = [run]
+    else:
+        experiment = client.get_experiment_by_name(experiment_name)
+        candidates = [] if experiment is None else client.search_runs(
+            [experiment.experiment_id], filter_string="attributes.status != 'FINISHED'",
+            order_by=["attributes.start_time DESC"])
+    for run in candidates:
+        last = run_folder(cfg, run.info.run_id) / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            break
+    else:
+        where = f"run {run_id}" if run_id else f"experiment {experiment_name!r}"
+        raise ConfigError(f"--resume: no unfinished run with a checkpoint in {where} "
+                          f"(looked for checkpoints/last.ckpt under {cfg.tracking.artifact_location})")
+    stored_checkpoint = load_checkpoint(str(last))
+    stored = flatten(OmegaConf.create(stored_checkpoint["hyper_parameters"]["cfg"]))
+    current = flatten(cfg)
+    differences = [f"{key}: {stored.get(key)!r} in the run, {current.get(key)!r} now"
+                   for key in sorted(set(stored) | set(current)) if stored.get(key) != current.get(key)]
+    if differences:
+        raise ConfigError(f"--resume: run {run.info.run_id} was trained with another configuration "
+                          f"(resume with the same command): {'; '.join(differences[:8])}")
+    return Resume(run.info.run_id, str(last), stored_checkpoint.get("tokenizer_json"))
+
+
+def load_checkpoint(path: str) -> dict:
+    if not Path(path).is_file():
+        raise ConfigError(f"{path}: no such checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
+        raise ConfigError(f"{path} is not a readable checkpoint: {err}") from err
+
+
+def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
+                   callbacks=()) -> Trained:
     """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
-    and score the test split with it, and log params, metrics, config and predictions to MLflow."""
-    logger = open_tracking(cfg, default_run_name(cfg), tags=tags)  # fails here if unusable
-    built = build(cfg)
+    and score the test split with it, and log params, metrics, config and predictions to MLflow.
+
+    With `resume`, training goes on from that run's last checkpoint and logs into the same run.
+    A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
+                           run_id=resume.run_id if resume else None)  # fails here if unusable
+    tokenizer_json = resume.tokenizer_json if resume else None
+    built = build(cfg, tokenizer=from_serialized(tokenizer_json) if tokenizer_json else None)
+    # The MLflow run is created here, once the data and the model are known to be good; on other
+    # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
+    run_id = logger.run_id
+    if resume is not None and rank_zero_only.rank == 0:
+        client = logger.experiment
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "resumed_from", resume.checkpoint)
+        error = client.get_run(run_id).data.tags.get("error")
+        if error is not None:  # kept, under a name that does not say the run is failing now
+            client.set_tag(run_id, "error_before_resume", error)
+            client.delete_tag(run_id, "error")
     log_params(logger, cfg, built.datamodule)
-    checkpoint = ModelCheckpoint(dirpath=run_folder(cfg, logger) / "checkpoints",
-                                 filename="epoch{epoch}-step{step}", auto_insert_metric_name=False,
-                                 monitor=built.module.primary_metric, mode="max", save_top_k=1,
-                                 save_last=True)
-    trainer = make_trainer(cfg, logger, callbacks=[checkpoint])
-    trainer.fit(built.module, datamodule=built.datamodule)
-    # The best checkpoint by the task's metric; the last one when the metric never rose above 0
-    # (ties keep the earliest checkpoint, which would otherwise test a barely trained model).
-    improved = checkpoint.best_model_score is not None and float(checkpoint.best_model_score) > 0
-    best = checkpoint.best_model_path if improved else checkpoint.last_model_path
-    trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
-    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    watcher = _ExceptionWatcher()
+    folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
+    best_checkpoint = ModelCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
+                                      auto_insert_metric_name=False, monitor=built.module.primary_metric,
+                                      mode="max", save_top_k=1)
+    # Written at the end of every epoch (ModelCheckpoint's own `save_last` is only refreshed when
+    # the best one is): what `--resume` takes up, and what is tested when nothing improved.
+    last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
+    trainer = make_trainer(cfg, logger, callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
+    with run_status(logger, watcher):
+        trainer.fit(built.module, datamodule=built.datamodule,
+                    ckpt_path=resume.checkpoint if resume else None)
+        # The best checkpoint by the task's metric; the last one when the metric never rose above
+        # 0 (ties keep the earliest checkpoint, which would otherwise test a barely trained model).
+        score = best_checkpoint.best_model_score
+        improved = score is not None and float(score) > 0
+        best = best_checkpoint.best_model_path if improved else last_checkpoint.best_model_path
+        trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
+        if rank_zero_only.rank == 0:
+            logger.experiment.set_tag(run_id, "tested_checkpoint", best)
+        log_artifacts(logger, cfg, built.module.prediction_rows("test"))
     return Trained(built, logger, best, built.module.test_scores)
 
 
@@ -145,6 +281,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 def main_guard(main) -> None:
     """Run an entry point; user errors become one clear line on stderr and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if rank_zero_only.rank != 0:  # other DDP processes would repeat rank 0's (whole-split) lines
+        logging.getLogger().setLevel(logging.ERROR)
     torch.set_float32_matmul_precision("high")
     try:
         main()

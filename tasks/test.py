@@ -10,24 +10,12 @@ blockwise-trained base head).
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
-import torch
 
 from datamodules.tokenizer import from_serialized
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
-from tasks.run import (base_parser, build, default_run_name, log_artifacts, log_params, main_guard,
-                       make_trainer, open_tracking, log)
-
-
-def load_checkpoint(path: str) -> dict:
-    if not Path(path).is_file():
-        raise ConfigError(f"--ckpt {path}: no such checkpoint file")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
-        raise ConfigError(f"--ckpt {path} is not a readable checkpoint: {err}") from err
+from tasks.run import (base_parser, build, default_run_name, load_checkpoint, log, log_artifacts,
+                       log_params, main_guard, make_trainer, open_tracking)
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):

@@ -54,6 +54,14 @@ def test_bad_overrides_fail_clearly(overrides, needle):
     assert needle in str(err.value)
 
 
+def test_interpolated_default_takes_a_value_of_its_resolved_type():
+    cfg = compose("keyphrase", "pipelined", None, ["decoder.max_steps=7"])
+    assert cfg.decoder.max_steps == 7
+    with pytest.raises(ConfigError, match="decoder.max_steps='many' has type str, but decoder.max_steps "
+                                          "takes int"):
+        compose("keyphrase", "pipelined", None, ["decoder.max_steps=many"])
+
+
 def test_bad_task_and_level():
     with pytest.raises(ConfigError, match="unknown task 'poetry'; allowed: keyphrase, qa, summarization"):
         compose("poetry")

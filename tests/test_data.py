@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from datamodules import tokenizer as tok
-from datamodules.datamodule import SubsequenceDataModule, Truncation, fit_targets
+from datamodules.datamodule import SubsequenceDataModule, DataReport, fit_targets
 from datamodules.schema import DataError
 from datamodules.sources import load_split, read_jsonl
 from tasks.config import compose
@@ -76,14 +76,14 @@ def test_hub_dataset_of_another_task_is_refused():
 
 
 def test_fit_targets_counts_what_it_cuts():
-    report = Truncation()
+    report = DataReport()
     # budget 8: [1,2,3] (3) + sep + [4,5] (2) + end = 7; [6,7] would need 3 more
     assert fit_targets([[1, 2, 3], [4, 5], [6, 7]], 8, 16, report) == [[1, 2, 3], [4, 5]]
     assert report.subsequences_dropped == 1
-    report = Truncation()
+    report = DataReport()
     assert fit_targets([list(range(10)), [1]], 5, 16, report) == [[0, 1, 2, 3]]
     assert (report.subsequences_truncated, report.subsequences_dropped) == (1, 1)
-    report = Truncation()
+    report = DataReport()
     assert fit_targets([[1], [2], [3]], 50, 2, report) == [[1], [2]]
     assert report.subsequences_dropped == 1
 
@@ -96,7 +96,7 @@ def test_datamodule_limits_truncation_and_batches(tmp_path):
     dm = SubsequenceDataModule(cfg)
     dm.setup()
     assert [len(dm.records(s)) for s in ("train", "validation", "test")] == [30, 5, 5]
-    assert dm.truncation["train"].sources_truncated == 30  # every built-in abstract is longer
+    assert dm.report["train"].sources_truncated == 30  # every built-in abstract is longer
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape[0] == 8 and batch["input_ids"].shape[1] <= 12
     assert (batch["input_ids"][:, -1] == dm.tokenizer.eos_token_id).any()
