@@ -155,9 +155,8 @@ def load_hub(name: str, split: str, cache_dir: str | None = None) -> list[dict]:
         raise DataError(f"unknown split {split!r} for hub dataset {name!r}; allowed: {', '.join(SPLITS)}")
     spec = HUB_DATASETS[name]
     hub_split = spec.splits[split]
-    reason = _why_hub_unusable()
     try:
-        with _offline_mode(reason is not None):
+        with hub_access() as reason:
             rows = _read_rows(spec, hub_split, cache_dir)
     except _NETWORK_ERRORS as err:
         raise _unreachable_error(name, spec, reason or _one_line(err)) from err
@@ -190,6 +189,16 @@ def _why_hub_unusable() -> str | None:
     except _NETWORK_ERRORS as err:
         return _one_line(err)
     return None
+
+
+@contextmanager
+def hub_access() -> Iterator[str | None]:
+    """Around any loading from the hub (datasets, tokenizers, weights): yields None when the hub can
+    be reached, else why not, and then loads in offline mode (local cache only), so that what is not
+    cached fails at once instead of after minutes of retries."""
+    reason = _why_hub_unusable()
+    with _offline_mode(reason is not None):
+        yield reason
 
 
 @contextmanager

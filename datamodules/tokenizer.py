@@ -73,12 +73,15 @@ def from_serialized(tokenizer_json: str) -> PreTrainedTokenizerFast:
 
 
 def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(hub_id)
-    except OSError as err:
-        raise TokenizerError(
-            f"cannot load the tokenizer of {hub_id!r} (no network and not in the local cache?): "
-            f"{str(err).splitlines()[0]}. Use model=t5-tiny to work offline.") from err
+    from datamodules.hub import hub_access  # imports `datasets`: only when a hub model is used
+    with hub_access() as unreachable:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(hub_id)
+        except OSError as err:
+            why = f"the hub cannot be reached ({unreachable}) and it is not in the local cache" \
+                if unreachable else str(err).splitlines()[0]
+            raise TokenizerError(f"cannot load the tokenizer of {hub_id!r}: {why}. "
+                                 f"Use model=t5-tiny to work offline.") from err
     missing = [t for t in (SEP, MASK) if t not in tokenizer.get_vocab()]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing})

@@ -173,7 +173,7 @@ def compose(task: str | None = None, decoder: str | None = None, config_file: st
     from_file = _load_yaml(Path(config_file)) if config_file else OmegaConf.create({})
 
     defaults = _load_yaml(CONFIG_DIR / "default.yaml")
-    cfg = OmegaConf.create(base) if base is not None else defaults
+    cfg = defaults if base is None else _with_todays_defaults(defaults, OmegaConf.create(base))
     before = {g: OmegaConf.select(cfg, f"{g}.{k}") for g, k in GROUPS.items()}
     # The group choice: command-line flag, else dotlist, else the --config file, else as before.
     picked = {g: before[g] or DEFAULT_CHOICES[g] for g in GROUPS}
@@ -211,6 +211,16 @@ def compose(task: str | None = None, decoder: str | None = None, config_file: st
     _check_values(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfig:
+    """A stored configuration, with the keys added to the library since it was written filled with
+    their defaults (for the stored group choices), so that older checkpoints stay usable."""
+    fresh = defaults.copy()
+    for group, key in GROUPS.items():
+        fresh[group] = OmegaConf.merge(defaults.get(group, OmegaConf.create({})),
+                                       _group_config(group, OmegaConf.select(stored, f"{group}.{key}")))
+    return OmegaConf.merge(fresh, stored)
 
 
 def _check_values(cfg: DictConfig) -> None:

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from tasks.config import ConfigError, compose, flatten
 
@@ -60,6 +61,13 @@ def test_interpolated_default_takes_a_value_of_its_resolved_type():
     with pytest.raises(ConfigError, match="decoder.max_steps='many' has type str, but decoder.max_steps "
                                           "takes int"):
         compose("keyphrase", "pipelined", None, ["decoder.max_steps=many"])
+
+
+def test_stored_config_of_an_older_version_gets_new_keys_with_defaults():
+    stored = OmegaConf.to_container(compose("keyphrase", "pipelined", None, ["decoder.delay=2"]))
+    del stored["model"]["initializer_factor"]  # a key this checkpoint predates
+    cfg = compose(None, None, None, [], base=stored)
+    assert cfg.model.initializer_factor == 1.0 and cfg.decoder.delay == 2
 
 
 def test_bad_task_and_level():

@@ -1,5 +1,6 @@
 """Data sources, limits, truncation reports and the tokenizer cache."""
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from datamodules.datamodule import SubsequenceDataModule, DataReport, fit_target
 from datamodules.schema import DataError
 from datamodules.sources import load_split, read_jsonl
 from tasks.config import compose
+from tasks.models import ModelError, build_backbone
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -122,7 +124,15 @@ def test_tokenizer_is_cached_and_reused(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("tokenizer-*.json"))) == 2
 
 
-def test_pretrained_tokenizer_offline_error(monkeypatch):
+def test_pretrained_tokenizer_and_weights_fail_fast_offline(monkeypatch):
+    # set after import: the loaders must honour it at call time, not retry the network for minutes
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(tok.TokenizerError, match="Use model=t5-tiny to work offline"):
+    started = time.perf_counter()
+    with pytest.raises(tok.TokenizerError, match=r"cannot load the tokenizer of 'google-t5/t5-small': "
+                                                 r"the hub cannot be reached \(HF_HUB_OFFLINE is set\).*"
+                                                 r"Use model=t5-tiny to work offline"):
         tok.load_pretrained("google-t5/t5-small")
+    with pytest.raises(ModelError, match=r"cannot load pretrained weights 'google-t5/t5-small': the "
+                                         r"hub cannot be reached .*Use model=t5-tiny"):
+        build_backbone(compose(overrides=["model=t5-small"]).model, tokenizer=None)
+    assert time.perf_counter() - started < 20
