@@ -17,13 +17,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
 from datamodules.tokenizer import TokenizerError, from_serialized, special_tokens
 from decoders import build_decoder
-from tasks.config import ConfigError, flatten, to_yaml
+from tasks.config import ConfigError, compose, flatten, to_yaml
 from tasks.models import ModelError, build_backbone
 from tasks.module import TASK_MODULES, GenerationTask, write_jsonl
 
@@ -202,7 +202,8 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
         raise ConfigError(f"--resume: no unfinished run with a checkpoint in {where} "
                           f"(looked for checkpoints/last.ckpt under {cfg.tracking.artifact_location})")
     stored_checkpoint = load_checkpoint(str(last))
-    stored = flatten(OmegaConf.create(stored_checkpoint["hyper_parameters"]["cfg"]))
+    # through `compose`, so that keys the library gained since the run started compare as defaults
+    stored = flatten(compose(base=stored_checkpoint["hyper_parameters"]["cfg"]))
     current = flatten(cfg)
     differences = [f"{key}: {stored.get(key)!r} in the run, {current.get(key)!r} now"
                    for key in sorted(set(stored) | set(current)) if stored.get(key) != current.get(key)]
