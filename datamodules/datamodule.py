@@ -196,14 +196,15 @@ class SubsequenceDataModule(L.LightningDataModule):
                                      shuffle=True, seed=self.seed)
         return self._loader("train", self.train_batch_size, sampler)
 
-    def _evaluation_loader(self, split: str) -> DataLoader:
+    def ordered_loader(self, split: str) -> DataLoader:
+        """A split in dataset order (this process's share of it under DDP), in evaluation batches."""
         return self._loader(split, self.eval_batch_size, EvaluationShard(len(self.dataset(split))))
 
     def val_dataloader(self) -> DataLoader:
-        return self._evaluation_loader("validation")
+        return self.ordered_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._evaluation_loader("test")
+        return self.ordered_loader("test")
 
 
 def process_group() -> tuple[int, int]:

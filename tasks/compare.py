@@ -31,9 +31,9 @@ from decoders import build_decoder, decoder_class
 from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
-from tasks.test import checkpoint_config, load_checkpoint, restore
-from tasks.run import (base_parser, decoder_options, log, log_artifacts, log_params,
-                       main_guard, make_trainer, open_tracking, train_and_test)
+from tasks.test import checkpoint_config, restore
+from tasks.run import (base_parser, decoder_options, load_checkpoint, log, log_artifacts,
+                       log_params, main_guard, make_trainer, open_tracking, train_and_test)
 
 
 @dataclass

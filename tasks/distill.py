@@ -1,0 +1,68 @@
+"""Distilled training data: a trained model's outputs on the training split become its targets.
+
+    python -m tasks.distill --ckpt TEACHER.ckpt --out DIR [key=value ...]
+    python -m tasks.fit --decoder nar --task keyphrase data=jsonl data.path=DIR
+
+Sequence-level knowledge distillation (Kim & Rush 2016, "Sequence-Level Knowledge Distillation"):
+non-autoregressive models are trained on an autoregressive teacher's outputs, not on the references,
+as Mask-Predict is. A teacher's greedy outputs are one deterministic answer per source, in one
+order; the references of keyphrase, span and summary data admit many (which keyphrases, in which
+order), and a model that predicts every position at once cannot choose among them consistently.
+
+DIR receives train.jsonl (the teacher's checkpoint data and limits, its targets replaced by what
+the teacher decodes) and validation.jsonl / test.jsonl unchanged: models are selected and scored
+against the references. Overrides may change the data read and the teacher's decoder options.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from datamodules.schema import schema_for
+from tasks.config import ConfigError
+from tasks.module import write_jsonl
+from tasks.run import base_parser, load_checkpoint, log, main_guard
+from tasks.test import checkpoint_config, restore
+
+
+def distilled_records(built) -> list[dict]:
+    """The training records, in order, with their targets replaced by the model's decoded outputs."""
+    datamodule, module = built.datamodule, built.module
+    module.eval()
+    field = schema_for(module.cfg.task.name).target_field
+    outputs: dict[int, list[str]] = {}
+    with torch.no_grad():
+        for batch in tqdm(datamodule.ordered_loader("train"), desc="decoding the training split"):
+            for index, prediction in zip(batch["index"].tolist(), module.decode_batch(batch)):
+                outputs[index] = prediction
+    return [{**record, field: outputs[i]} for i, record in enumerate(datamodule.records("train"))]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="the teacher: a checkpoint written by tasks.fit")
+    parser.add_argument("--out", required=True, help="a new folder for the distilled jsonl dataset")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; choose a new folder (nothing is overwritten)")
+    checkpoint = load_checkpoint(args.ckpt)
+    cfg = checkpoint_config(checkpoint, args.ckpt, args.overrides, args.config)
+
+    built = restore(checkpoint, args.ckpt, cfg)
+    train = distilled_records(built)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(train, out / "train.jsonl")
+    for split in ("validation", "test"):
+        write_jsonl(built.datamodule.records(split), out / f"{split}.jsonl")
+    empty = sum(not r[schema_for(cfg.task.name).target_field] for r in train)
+    log.info("wrote %s: %d training examples with the teacher's outputs as targets (%d empty), "
+             "validation and test unchanged; train on it with data=jsonl data.path=%s",
+             out, len(train), empty, out)
+    return {"out": str(out), "train_examples": len(train), "empty_targets": empty}
+
+
+if __name__ == "__main__":
+    main_guard(main)
