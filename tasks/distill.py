@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from datamodules.schema import schema_for
-from tasks.config import ConfigError
+from tasks.config import ConfigError, to_yaml
 from tasks.module import write_jsonl
 from tasks.run import base_parser, load_checkpoint, log, main_guard
 from tasks.test import checkpoint_config, restore
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--out {out} is not empty; choose a new folder (nothing is overwritten)")
     checkpoint = load_checkpoint(args.ckpt)
     cfg = checkpoint_config(checkpoint, args.ckpt, args.overrides, args.config)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return {}
 
     built = restore(checkpoint, args.ckpt, cfg)
     train = distilled_records(built)
