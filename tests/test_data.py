@@ -109,6 +109,16 @@ def test_datamodule_limits_truncation_and_batches(tmp_path):
     assert [dm.tokenizer.decode(t) for t in first["targets"][0]] == record["keyphrases"]
 
 
+def test_trained_tokenizer_keeps_frequent_words_whole(tmp_path):
+    words = "code review of schema evolution in graph coloring".split()
+    texts = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 30
+    tokenizer = tok.train_or_load(texts, 4000, tmp_path)
+    assert tokenizer.tokenize("graph coloring of code") == ["▁graph", "▁coloring", "▁of", "▁code"]
+    assert tokenizer.decode(tokenizer("schema evolution", add_special_tokens=False)["input_ids"]) == \
+        "schema evolution"
+    assert [tokenizer.convert_tokens_to_ids(t) for t in tok.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+
+
 def test_tokenizer_is_cached_and_reused(tmp_path, monkeypatch):
     texts = ["graph coloring of planar graphs", "neural network pruning"] * 20
     first = tok.train_or_load(texts, 120, tmp_path)
