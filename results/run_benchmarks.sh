@@ -4,6 +4,7 @@
 #   results/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
 #   results/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
 #   results/run_benchmarks.sh qa                 # the same on built-in multi-span QA
+#   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
 #
@@ -17,6 +18,10 @@ case "${1:-}" in
     keyphrase)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
             $SPEED --out results/builtin_keyphrase.json ;;
+    kp20k)
+        python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
+            $SPEED data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 \
+            --out results/kp20k.json ;;
     nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
         python -m tasks.distill --ckpt "$2" --out .cache/distilled/builtin_keyphrase
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
@@ -26,6 +31,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | nar-distilled S" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | nar-distilled S" >&2
         exit 2 ;;
 esac

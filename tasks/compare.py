@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--speed-examples", type=int, default=None,
                         help="time on the first N test examples (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
 
     started = time.perf_counter()
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="the teacher: a checkpoint written by tasks.fit")
     parser.add_argument("--out", required=True, help="a new folder for the distilled jsonl dataset")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is not empty; choose a new folder (nothing is overwritten)")

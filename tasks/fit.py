@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--resume", nargs="?", const=LATEST, metavar="RUN_ID",
                         help="go on with the latest unfinished run of this configuration "
                              "(or with run RUN_ID) from its last checkpoint")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
+    if isinstance(args.resume, str) and "=" in args.resume:
+        # `--resume key=value`: argparse took an override for the run id (run ids have no '=')
+        args.overrides.append(args.resume)
+        args.resume = LATEST
     cfg = compose(args.task, args.decoder, args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg))

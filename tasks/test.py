@@ -52,7 +52,7 @@ def restore(checkpoint: dict, path: str, cfg):
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by tasks.fit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
     checkpoint = load_checkpoint(args.ckpt)
     cfg = checkpoint_config(checkpoint, args.ckpt, args.overrides, args.config)
     if args.print_config:

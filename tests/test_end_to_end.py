@@ -58,3 +58,15 @@ def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
     with pytest.raises(ConfigError, match="trained with decoder 'sequential'; decoder 'pipelined' "
                                           "cannot decode it"):
         test_entry.main(["--ckpt", result["checkpoint"], "decoder=pipelined", *tracking(tmp_path)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["keyphrase", "qa", "summarization"])
+@pytest.mark.parametrize("decoder", ["pipelined", "blockwise", "nar"])
+def test_every_decoder_fits_and_decodes_every_task(task, decoder, tmp_path):
+    result = fit.main(["--task", task, "--decoder", decoder, *TINY, *tracking(tmp_path)])
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["decoder.name"] == decoder
+    assert QUALITY[task] in result["scores"] and result["scores"]["examples_per_second"] > 0
+    if decoder == "nar":  # one decoder call per Mask-Predict iteration, whatever the output length
+        assert result["scores"]["decoder_calls_per_example"] == 4.0

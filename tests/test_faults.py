@@ -132,7 +132,7 @@ def test_crash_then_resume_equals_uninterrupted_and_same_seed_repeats(tmp_path):
     with pytest.raises(ConfigError, match=r"decoder.iterations: 4 in the run, 2 now"):
         fit.main([*args, "decoder.iterations=2", "--resume"])
 
-    resumed = fit.main([*args, "--resume"])
+    resumed = fit.main(["--resume", *args[4:], *args[:4]])  # "--resume key=value": an override
     assert resumed["run_id"] == crashed.info.run_id  # the same MLflow run goes on
     run = client.get_run(resumed["run_id"])
     assert run.info.status == "FINISHED" and "error" not in run.data.tags
