@@ -5,6 +5,7 @@
 #   results/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
 #   results/run_benchmarks.sh qa                 # the same on built-in multi-span QA
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
+#   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
 #   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
 #
@@ -22,6 +23,9 @@ case "${1:-}" in
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
             $SPEED data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 \
             --out results/kp20k.json ;;
+    delay2)
+        python -m tasks.compare --task keyphrase --decoders sequential,pipelined --sweep decoder.delay=2 \
+            --ckpt "sequential=$2" $SPEED --out results/builtin_keyphrase_delay2.json ;;
     nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
         python -m tasks.distill --ckpt "$2" --out .cache/distilled/builtin_keyphrase
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
@@ -31,6 +35,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | nar-distilled S" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | delay2 S | nar-distilled S" >&2
         exit 2 ;;
 esac
