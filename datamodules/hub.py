@@ -215,6 +215,14 @@ def _offline_mode(offline: bool) -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
+def load_failure(err: BaseException, unreachable: str | None) -> str:
+    """Why loading from the hub failed, for an error message: the hub could not be reached (and
+    the files were not cached), else the error itself."""
+    if unreachable:
+        return f"the hub cannot be reached ({unreachable}) and the files are not in the local cache"
+    return _one_line(err)
+
+
 def _one_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

@@ -77,15 +77,14 @@ def from_serialized(tokenizer_json: str) -> PreTrainedTokenizerFast:
 
 
 def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:
-    from datamodules.hub import hub_access  # imports `datasets`: only when a hub model is used
+    from datamodules.hub import hub_access, load_failure  # imports `datasets`: only for hub models
     with hub_access() as unreachable:
         try:
             tokenizer = AutoTokenizer.from_pretrained(hub_id)
         except OSError as err:
-            why = f"the hub cannot be reached ({unreachable}) and it is not in the local cache" \
-                if unreachable else str(err).splitlines()[0]
-            raise TokenizerError(f"cannot load the tokenizer of {hub_id!r}: {why}. "
-                                 f"Use model=t5-tiny to work offline.") from err
+            raise TokenizerError(f"cannot load the tokenizer of {hub_id!r}: "
+                                 f"{load_failure(err, unreachable)}. Use model=t5-tiny to work "
+                                 f"offline.") from err
     missing = [t for t in (SEP, MASK) if t not in tokenizer.get_vocab()]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing})

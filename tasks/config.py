@@ -32,8 +32,11 @@ UNION_TYPES: dict[str, tuple[type, ...]] = {
     "trainer.val_check_interval": (int, float),
     "trainer.gradient_clip_val": (int, float, type(None)),
 }
-# Trainer arguments that are objects, not configuration.
-TRAINER_RESERVED = {"self", "logger", "callbacks", "plugins", "profiler", "default_root_dir"}
+# Trainer arguments that are objects, not configuration, or that the library sets itself
+# (tasks.run.make_trainer: its samplers keep DDP evaluation free of duplicates, its checkpoint
+# writer is atomic, its callbacks checkpoint).
+TRAINER_RESERVED = {"self", "logger", "callbacks", "plugins", "profiler", "default_root_dir",
+                    "use_distributed_sampler", "enable_checkpointing", "enable_autolog_hparams"}
 
 
 class ConfigError(ValueError):
@@ -131,6 +134,9 @@ def _check_against(base: DictConfig, update: DictConfig, origin: str, prefix: st
         path = f"{prefix}{key}"
         value = OmegaConf.to_container(update, resolve=False)[key]
         if path.startswith("trainer.") and key not in known:
+            if key in TRAINER_RESERVED:
+                raise ConfigError(f"{origin}: {path} is set by the library, not by configuration; "
+                                  f"remove it")
             trainer_args = _trainer_arguments()
             if key not in trainer_args:
                 raise ConfigError(f"{origin}: unknown key {path!r}; lightning.Trainer takes: "

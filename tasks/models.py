@@ -21,16 +21,15 @@ def build_backbone(model: DictConfig, tokenizer) -> T5ForConditionalGeneration:
                           decoder_start_token_id=tokenizer.pad_token_id)
         config._attn_implementation = "eager"
         return T5ForConditionalGeneration(config)
-    from datamodules.hub import hub_access  # imports `datasets`: only when a hub model is used
+    from datamodules.hub import hub_access, load_failure  # imports `datasets`: only for hub models
     with hub_access() as unreachable:
         try:
             backbone = T5ForConditionalGeneration.from_pretrained(
                 model.hub_id, attn_implementation="eager", dropout_rate=model.dropout)
         except OSError as err:
-            why = f"the hub cannot be reached ({unreachable}) and they are not in the local cache" \
-                if unreachable else str(err).splitlines()[0]
-            raise ModelError(f"cannot load pretrained weights {model.hub_id!r}: {why}. "
-                             f"Use model=t5-tiny to work offline.") from err
+            raise ModelError(f"cannot load pretrained weights {model.hub_id!r}: "
+                             f"{load_failure(err, unreachable)}. Use model=t5-tiny to work "
+                             f"offline.") from err
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone

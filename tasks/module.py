@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_linear_schedule_with_warmup
 
+from datamodules.datamodule import process_group
 from datamodules.schema import schema_for, target_texts
 from decoders.base import Decoder
 from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
@@ -162,8 +163,9 @@ class GenerationTask(L.LightningModule):
         self.quality_scores: dict[str, float] = {}
         for metric in self.metrics.values():
             self.quality_scores.update({k: float(v) for k, v in metric.compute().items()})
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [None] * dist.get_world_size()
+        world, _ = process_group()
+        if world > 1:
+            parts = [None] * world
             dist.all_gather_object(parts, self.telemetry)
             self.telemetry = DecodeTelemetry.merged(parts)
         scores = {**self.quality_scores, **self.telemetry.summary()}

@@ -98,10 +98,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> L.Trainer:
-    if "use_distributed_sampler" in cfg.trainer or "plugins" in cfg.trainer:
-        raise ConfigError("trainer.use_distributed_sampler and trainer.plugins are set by the "
-                          "library (its samplers keep DDP evaluation free of duplicates; its "
-                          "checkpoint writer is atomic); remove them from the configuration")
+    # the arguments set here are refused in configurations (tasks.config.TRAINER_RESERVED)
     return L.Trainer(**cfg.trainer, logger=logger if logger is not None else False,
                      callbacks=list(callbacks), enable_autolog_hparams=False,
                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -170,7 +167,7 @@ class Resume:
     """Where an unfinished fit is taken up: its MLflow run and its last checkpoint."""
     run_id: str
     checkpoint: str
-    tokenizer_json: str | None  # the run's own tokenizer (t5-tiny), not retrained on resume
+    tokenizer: object | None  # the run's own trained tokenizer (t5-tiny), not trained again
 
 
 def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
@@ -210,7 +207,7 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
     if differences:
         raise ConfigError(f"--resume: run {run.info.run_id} was trained with another configuration "
                           f"(resume with the same command): {'; '.join(differences[:8])}")
-    return Resume(run.info.run_id, str(last), stored_checkpoint.get("tokenizer_json"))
+    return Resume(run.info.run_id, str(last), checkpoint_tokenizer(stored_checkpoint))
 
 
 def load_checkpoint(path: str) -> dict:
@@ -222,6 +219,13 @@ def load_checkpoint(path: str) -> dict:
         raise ConfigError(f"{path} is not a readable checkpoint: {err}") from err
 
 
+def checkpoint_tokenizer(checkpoint: dict):
+    """The trained tokenizer a checkpoint carries (t5-tiny's), or None: a pretrained model's
+    tokenizer is loaded again by name."""
+    serialized = checkpoint.get("tokenizer_json")
+    return from_serialized(serialized) if serialized is not None else None
+
+
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
                    callbacks=()) -> Trained:
     """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
@@ -231,8 +235,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
                            run_id=resume.run_id if resume else None)  # fails here if unusable
-    tokenizer_json = resume.tokenizer_json if resume else None
-    built = build(cfg, tokenizer=from_serialized(tokenizer_json) if tokenizer_json else None)
+    built = build(cfg, tokenizer=resume.tokenizer if resume else None)
     # The MLflow run is created here, once the data and the model are known to be good; on other
     # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
     run_id = logger.run_id

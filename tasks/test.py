@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import time
 
-from datamodules.tokenizer import from_serialized
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
-from tasks.run import (base_parser, build, default_run_name, load_checkpoint, log, log_artifacts,
-                       log_params, main_guard, make_trainer, open_tracking)
+from tasks.run import (base_parser, build, checkpoint_tokenizer, default_run_name, load_checkpoint,
+                       log, log_artifacts, log_params, main_guard, make_trainer, open_tracking)
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
@@ -37,8 +36,7 @@ def restore(checkpoint: dict, path: str, cfg):
 
     Weights of modules the chosen decoder lacks (e.g. blockwise heads when decoding sequentially)
     are ignored; every weight the model needs must be there."""
-    tokenizer = from_serialized(checkpoint["tokenizer_json"]) if "tokenizer_json" in checkpoint else None
-    built = build(cfg, tokenizer=tokenizer)
+    built = build(cfg, tokenizer=checkpoint_tokenizer(checkpoint))
     try:
         missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
     except RuntimeError as err:  # shapes differ: an option that sizes a module was changed

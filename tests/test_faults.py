@@ -197,10 +197,11 @@ def test_unusable_tracking_uri_fails_before_the_data_is_touched(tmp_path, monkey
         train_and_test(cfg)
 
 
-def test_trainer_options_the_library_owns_are_refused():
-    cfg = compose("keyphrase", None, None, ["trainer.use_distributed_sampler=true"])
-    with pytest.raises(ConfigError, match="trainer.use_distributed_sampler and trainer.plugins are set"):
-        make_trainer(cfg, None)
+@pytest.mark.parametrize("key", ["use_distributed_sampler", "plugins", "enable_checkpointing"])
+def test_trainer_options_the_library_owns_are_refused(key):
+    with pytest.raises(ConfigError, match=f"override: trainer.{key} is set by the library, not by "
+                                          f"configuration; remove it"):
+        compose("keyphrase", None, None, [f"trainer.{key}=true"])
 
 
 def write_split(folder: Path, split: str, keyphrase_lists: list[list[str]]) -> None:
