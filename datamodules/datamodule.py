@@ -223,11 +223,11 @@ class EvaluationShard(Sampler[int]):
     """
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self.world, self.rank = process_group()
+        world, rank = process_group()
+        self.indices = range(rank, size, world)
 
     def __iter__(self):
-        return iter(range(self.rank, self.size, self.world))
+        return iter(self.indices)
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world))
+        return len(self.indices)

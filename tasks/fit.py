@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 
 from tasks.config import compose, to_yaml
-from tasks.run import base_parser, find_resumable, log, main_guard, train_and_test
+from tasks.run import (base_parser, experiment_name, find_resumable, log, main_guard,
+                       train_and_test)
 
 LATEST = object()  # `--resume` without a run id
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.scores.items())))
     log.info("checkpoint: %s", result.checkpoint)
     log.info("MLflow run %s in experiment %r (%s); wall time %.1fs", result.logger.run_id,
-             cfg.tracking.experiment or cfg.task.name, cfg.tracking.uri, time.perf_counter() - started)
+             experiment_name(cfg), cfg.tracking.uri, time.perf_counter() - started)
     return {"run_id": result.logger.run_id, "checkpoint": result.checkpoint, "scores": result.scores}
 
 

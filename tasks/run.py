@@ -72,9 +72,13 @@ def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
                           f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
     artifacts = Path(cfg.tracking.artifact_location).resolve()
     artifacts.mkdir(parents=True, exist_ok=True)
-    return MLFlowLogger(experiment_name=cfg.tracking.experiment or cfg.task.name, run_name=run_name,
+    return MLFlowLogger(experiment_name=experiment_name(cfg), run_name=run_name,
                         tracking_uri=cfg.tracking.uri, artifact_location=artifacts.as_uri(),
                         tags=tags, run_id=run_id)
+
+
+def experiment_name(cfg: DictConfig) -> str:
+    return cfg.tracking.experiment or cfg.task.name
 
 
 def default_run_name(cfg: DictConfig) -> str:
@@ -176,7 +180,6 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
     client = MlflowClient(cfg.tracking.uri)
-    experiment_name = cfg.tracking.experiment or cfg.task.name
     if run_id is not None:
         try:
             run = client.get_run(run_id)
@@ -186,7 +189,7 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
             raise ConfigError(f"--resume {run_id}: that run finished; there is nothing to resume")
         candidates = [run]
     else:
-        experiment = client.get_experiment_by_name(experiment_name)
+        experiment = client.get_experiment_by_name(experiment_name(cfg))
         candidates = [] if experiment is None else client.search_runs(
             [experiment.experiment_id], filter_string="attributes.status != 'FINISHED'",
             order_by=["attributes.start_time DESC"])
@@ -195,7 +198,7 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
         if last.is_file():
             break
     else:
-        where = f"run {run_id}" if run_id else f"experiment {experiment_name!r}"
+        where = f"run {run_id}" if run_id else f"experiment {experiment_name(cfg)!r}"
         raise ConfigError(f"--resume: no unfinished run with a checkpoint in {where} "
                           f"(looked for checkpoints/last.ckpt under {cfg.tracking.artifact_location})")
     stored_checkpoint = load_checkpoint(str(last))
