@@ -83,6 +83,16 @@ class Decoder(nn.Module, abc.ABC):
         """Decode a batch of encoder inputs `(B, source_len)`."""
         raise NotImplementedError
 
+    def calls_for_output(self, subsequences: list[list[int]]) -> int | None:
+        """Decoder calls this decoder takes to produce exactly `subsequences` (ids, no end or
+        separator tokens) in full, ignoring its length and step bounds; None when the count depends
+        on the model as well as on the output (blockwise: how many proposals are accepted).
+
+        Counted on references, it is what a model that reproduces them would need: the saving the
+        decoder's structure allows on a dataset, measurable without training (tasks.reference_calls).
+        """
+        return None
+
     @classmethod
     def can_decode_checkpoint_of(cls, trained: type["Decoder"]) -> bool:
         """Whether a backbone trained with decoder class `trained` can be decoded by this one: true

@@ -192,6 +192,9 @@ class MaskPredictDecoder(Decoder):
             "lengths": torch.tensor([len(f) for f in flat], dtype=torch.long),  # (B,) L, end included
         }
 
+    def calls_for_output(self, subsequences):
+        return self.iterations  # whatever the output's length
+
     def loss(self, model, input_ids, attention_mask, layout):
         target, lengths = layout["target"], layout["lengths"]                # (B, W), (B,)
         width = target.size(1)

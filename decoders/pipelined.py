@@ -105,6 +105,12 @@ class PipelinedDecoder(Decoder):
             "valid": pad_batch([[1] * len(r) for r in rows["tokens"]], 0).bool(),
         }
 
+    def calls_for_output(self, subsequences):
+        """Subsequence i (and the empty one after the last) runs from step i*d for its tokens plus
+        its end token; a call is made at every step at which some subsequence runs."""
+        spans = [len(sub) + 1 for sub in subsequences] + [1]
+        return len({i * self.delay + j for i, span in enumerate(spans) for j in range(span)})
+
     def teacher_forced_logits(self, model, input_ids, attention_mask, layout) -> torch.Tensor:
         """(B, N, vocab) logits of the whole layout in one uncached pass (training forward)."""
         grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])

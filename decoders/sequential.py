@@ -43,6 +43,9 @@ class SequentialDecoder(Decoder):
         flat = [join_subsequences(subs, self.special.sep, self.special.eos) for subs in targets]
         return {"labels": pad_batch(flat, -100)}  # (B, target_len); -100 = ignored by the loss
 
+    def calls_for_output(self, subsequences):
+        return len(join_subsequences(subsequences, self.special.sep, self.special.eos))  # one per token
+
     def loss(self, model, input_ids, attention_mask, layout):
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=layout["labels"]).loss
 

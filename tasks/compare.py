@@ -54,11 +54,29 @@ class Row:
 
     @property
     def label(self) -> str:
-        swept = ",".join(f"{k}={self.cfg.decoder[k]}" for k in self.swept)
-        return f"{self.cfg.decoder.name}({swept})" if swept else self.cfg.decoder.name
+        return row_label(self.cfg, self.swept)
 
 
 # -- planning -----------------------------------------------------------------------------------
+
+def row_label(cfg: DictConfig, swept: list[str]) -> str:
+    """The decoder's name, with the values of the options its sweep set: `nar(iterations=2)`."""
+    settings = ",".join(f"{k}={cfg.decoder[k]}" for k in swept)
+    return f"{cfg.decoder.name}({settings})" if settings else cfg.decoder.name
+
+
+def parse_decoders(text: str) -> list[str]:
+    """`--decoders a,b,c` -> names; an unknown name fails here, listing the registered ones."""
+    decoders = [d.strip() for d in text.split(",") if d.strip()]
+    if not decoders:
+        raise ConfigError(f"--decoders {text!r} names no decoder")
+    for name in decoders:
+        try:
+            decoder_class(name)
+        except ValueError as err:
+            raise ConfigError(f"--decoders: {err}") from err
+    return decoders
+
 
 def parse_sweeps(items: list[str]) -> dict[str, list[str]]:
     sweeps = {}
@@ -341,9 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
 
     started = time.perf_counter()
-    decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
-    for name in decoders:
-        decoder_class(name)  # unknown names fail here, listing the registered ones
+    decoders = parse_decoders(args.decoders)
     checkpoints = dict(item.split("=", 1) for item in args.ckpt)
     for name in checkpoints:
         if name not in decoders:

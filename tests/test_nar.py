@@ -41,6 +41,7 @@ def test_decoder_calls_equal_iterations_whatever_the_length(iterations, candidat
     assert all(rows == 6 * candidates for rows, _ in calls)  # all candidates in one batched call
     assert out.decoder_calls == [iterations] * 6
     assert all(1 <= t <= 12 for t in out.tokens)
+    assert [decoder.calls_for_output(s) for s in out.subsequences] == out.decoder_calls
 
 
 # -- 2. length predictor -----------------------------------------------------------------------

@@ -148,6 +148,29 @@ def test_fewer_calls_than_tokens_and_bounds_reported():
     assert any(bounded.hit_max_steps)
 
 
+@pytest.mark.parametrize("delay,calls", [(1, 4), (2, 5), (3, 7)])
+def test_calls_for_output_by_hand(delay, calls):
+    """'A B C', 'D E' and the empty terminator run over steps {0-3} u {d..d+2} u {2d}."""
+    decoder = pipelined(tiny_t5(0), delay=delay)
+    assert decoder.calls_for_output([[10, 11, 12], [13, 14]]) == calls
+    assert decoder.calls_for_output([]) == 1  # the empty subsequence alone
+
+
+@pytest.mark.parametrize("delay", [1, 2, 3])
+def test_calls_for_output_equals_decoding(delay):
+    """On outputs that ended by themselves, the count from the output alone is what decoding took."""
+    model = trained_model(delay)
+    decoder = pipelined(model, delay=delay, max_subsequences=6, max_subsequence_length=6, max_steps=100)
+    input_ids, attention_mask = random_batch(12, max_len=9, seed=77)
+    out = decoder.generate(model, input_ids, attention_mask)
+    checked = 0
+    for subsequences, calls, bounded in zip(out.subsequences, out.decoder_calls, out.hit_max_steps):
+        if not bounded and len(subsequences) < decoder.max_subsequences:
+            assert decoder.calls_for_output(subsequences) == calls
+            checked += 1
+    assert checked >= 4 and len(set(out.decoder_calls)) >= 2  # not vacuous
+
+
 def test_loss_is_cross_entropy_over_all_labels():
     model = tiny_t5(0)
     decoder = pipelined(model)

@@ -30,6 +30,8 @@ def test_matches_transformers_generate_batched(seed):
         ended = ref[-1] == SPECIAL.eos
         assert out.subsequences[i] == split_on(ref[:-1] if ended else ref, SPECIAL.sep)
         assert out.decoder_calls[i] == len(ref)
+        if ended:  # the count of an output that ended by itself is a function of the output
+            assert decoder.calls_for_output(out.subsequences[i]) == len(ref)
         assert out.hit_max_steps[i] == (not ended)
     assert out.batch_decoder_calls == max(len(r) for r in reference)
 
