@@ -29,7 +29,8 @@ import torch
 
 from decoders import register
 from decoders.base import (DecodeOutput, Decoder, SpecialTokens, drop_finished_rows, encode,
-                           hidden_mask, new_cache, output_logits, pad_batch, run_decoder)
+                           hidden_mask, new_cache, output_logits, pad_batch, relative_position_bias,
+                           run_decoder)
 
 # slot states in decoding
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -62,7 +63,6 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
 def distance_bias_table(model, longest: int) -> torch.Tensor:
     """(longest + 1, heads) T5 decoder bias for past distances 0..longest, computed once per call of
     `generate`/`loss` so that each decoding step only gathers from it."""
-    from decoders.base import relative_position_bias
     distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
     return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
 

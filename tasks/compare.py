@@ -32,7 +32,7 @@ from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
 from tasks.test import checkpoint_config, restore
-from tasks.run import (base_parser, decoder_options, load_checkpoint, log, log_artifacts,
+from tasks.run import (Built, base_parser, decoder_options, load_checkpoint, log, log_artifacts,
                        log_params, main_guard, make_trainer, open_tracking, train_and_test)
 
 
@@ -139,7 +139,6 @@ def score_row(cfg: DictConfig, built, tags: dict) -> Row:
 
 def with_decoder(cfg: DictConfig, trained) -> object:
     """The trained backbone and decoder modules under a decoder built with `cfg`'s options."""
-    from tasks.run import Built
     module = trained.module
     decoder = build_decoder(cfg.decoder.name, module.backbone.config, special_tokens(module.tokenizer),
                             **decoder_options(cfg))

@@ -202,15 +202,22 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
         raise ConfigError(f"--resume: no unfinished run with a checkpoint in {where} "
                           f"(looked for checkpoints/last.ckpt under {cfg.tracking.artifact_location})")
     stored_checkpoint = load_checkpoint(str(last))
-    # through `compose`, so that keys the library gained since the run started compare as defaults
-    stored = flatten(compose(base=stored_checkpoint["hyper_parameters"]["cfg"]))
-    current = flatten(cfg)
-    differences = [f"{key}: {stored.get(key)!r} in the run, {current.get(key)!r} now"
-                   for key in sorted(set(stored) | set(current)) if stored.get(key) != current.get(key)]
+    differences = config_differences(stored_checkpoint, cfg, "in the run")
     if differences:
         raise ConfigError(f"--resume: run {run.info.run_id} was trained with another configuration "
                           f"(resume with the same command): {'; '.join(differences[:8])}")
     return Resume(run.info.run_id, str(last), checkpoint_tokenizer(stored_checkpoint))
+
+
+def config_differences(checkpoint: dict, cfg: DictConfig, there: str, only: str = "") -> list[str]:
+    """`key: value <there>, value now` for each key (starting with `only`) whose value in the
+    checkpoint's configuration differs from `cfg`'s."""
+    # through `compose`, so that keys the library gained since the checkpoint compare as defaults
+    stored = flatten(compose(base=checkpoint["hyper_parameters"]["cfg"]))
+    current = flatten(cfg)
+    return [f"{key}: {stored.get(key)!r} {there}, {current.get(key)!r} now"
+            for key in sorted(set(stored) | set(current))
+            if key.startswith(only) and stored.get(key) != current.get(key)]
 
 
 def load_checkpoint(path: str) -> dict:
@@ -220,6 +227,29 @@ def load_checkpoint(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
         raise ConfigError(f"{path} is not a readable checkpoint: {err}") from err
+
+
+@dataclass
+class InitialWeights:
+    """What `train.init_from` gives a new fit: the backbone weights and the tokenizer they go with."""
+    backbone: dict[str, torch.Tensor]
+    tokenizer: object | None  # t5-tiny's trained tokenizer; None: a pretrained model's, by name
+
+
+def initial_weights(cfg: DictConfig) -> InitialWeights | None:
+    """The backbone of the checkpoint `train.init_from` names, checked against `cfg.model` before
+    any data is read; the decoder's own modules (heads, length predictor) start afresh."""
+    path = cfg.train.init_from
+    if path is None:
+        return None
+    checkpoint = load_checkpoint(path)
+    differences = config_differences(checkpoint, cfg, "in the checkpoint", only="model.")
+    if differences:
+        raise ConfigError(f"train.init_from={path} holds another model: {'; '.join(differences)}")
+    prefix = "backbone."
+    backbone = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items()
+                if key.startswith(prefix)}
+    return InitialWeights(backbone, checkpoint_tokenizer(checkpoint))
 
 
 def checkpoint_tokenizer(checkpoint: dict):
@@ -234,11 +264,16 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
     and score the test split with it, and log params, metrics, config and predictions to MLflow.
 
-    With `resume`, training goes on from that run's last checkpoint and logs into the same run.
+    With `resume`, training goes on from that run's last checkpoint and logs into the same run;
+    otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
                            run_id=resume.run_id if resume else None)  # fails here if unusable
-    built = build(cfg, tokenizer=resume.tokenizer if resume else None)
+    tokenizer = resume.tokenizer if resume else initial.tokenizer if initial else None
+    built = build(cfg, tokenizer=tokenizer)
+    if initial is not None:
+        built.module.backbone.load_state_dict(initial.backbone)
     # The MLflow run is created here, once the data and the model are known to be good; on other
     # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
     run_id = logger.run_id

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from tasks import fit, test as test_entry
@@ -70,3 +71,34 @@ def test_every_decoder_fits_and_decodes_every_task(task, decoder, tmp_path):
     assert QUALITY[task] in result["scores"] and result["scores"]["examples_per_second"] > 0
     if decoder == "nar":  # one decoder call per Mask-Predict iteration, whatever the output length
         assert result["scores"]["decoder_calls_per_example"] == 4.0
+
+
+def predictions(tmp_path: Path, run_id: str) -> list[list[str]]:
+    path = tmp_path / "artifacts" / run_id / "artifacts" / "predictions.jsonl"
+    return [json.loads(line)["prediction"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_init_from_a_checkpoint_starts_from_its_backbone_and_tokenizer(tmp_path):
+    """Blockwise heads trained on a frozen, trained sequential backbone (Stern et al.'s frozen
+    setting): the backbone stays the sequential model's, so exact blockwise decoding gives its
+    predictions. The tokenizer comes from the checkpoint, not from training a new one."""
+    sequential = fit.main(["--task", "keyphrase", *TINY, *tracking(tmp_path)])
+    fresh_cache = tmp_path / "unused_tokenizer_cache"
+    blockwise = fit.main(["--task", "keyphrase", "--decoder", "blockwise",
+                          f"train.init_from={sequential['checkpoint']}", "decoder.freeze_backbone=true",
+                          *TINY, *tracking(tmp_path), f"data.tokenizer_cache={fresh_cache}"])
+    assert not fresh_cache.exists()
+    start = torch.load(sequential["checkpoint"], weights_only=False)["state_dict"]
+    end = torch.load(blockwise["checkpoint"], weights_only=False)["state_dict"]
+    backbone = [key for key in start if key.startswith("backbone.")]
+    assert backbone and all(torch.equal(start[key], end[key]) for key in backbone)
+    assert any(key.startswith("decoder.heads") for key in end)
+    assert predictions(tmp_path, blockwise["run_id"]) == predictions(tmp_path, sequential["run_id"])
+
+    with pytest.raises(ConfigError, match=r"holds another model: model.d_model: 32 in the "
+                                          r"checkpoint, 64 now"):
+        fit.main(["--decoder", "pipelined", f"train.init_from={sequential['checkpoint']}",
+                  *TINY, "model.d_model=64", *tracking(tmp_path)])
+    with pytest.raises(ConfigError, match="no such checkpoint file"):
+        fit.main([f"train.init_from={tmp_path}/missing.ckpt", *TINY, *tracking(tmp_path)])
