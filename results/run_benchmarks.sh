@@ -7,6 +7,8 @@
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
 #   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
+#   results/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
+#                                                # its backbone frozen (train.init_from)
 #   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
 #
@@ -31,6 +33,10 @@ case "${1:-}" in
     delay2)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined --sweep decoder.delay=2 \
             --ckpt "sequential=$2" $SPEED --out results/builtin_keyphrase_delay2.json ;;
+    blockwise-frozen)  # Stern et al.'s frozen setting: only the proposal heads learn
+        python -m tasks.compare --task keyphrase --decoders sequential,blockwise --ckpt "sequential=$2" \
+            "train.init_from=$2" decoder.freeze_backbone=true $SPEED \
+            --out results/builtin_keyphrase_blockwise_frozen.json ;;
     nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
         python -m tasks.distill --ckpt "$2" --out .cache/distilled/builtin_keyphrase
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
@@ -40,6 +46,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | nar-distilled S" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | blockwise-frozen S | nar-distilled S" >&2
         exit 2 ;;
 esac

@@ -140,6 +140,20 @@ class Trained:
     scores: dict[str, float]
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """The checkpoint of best validation score and, among equal scores, the latest one.
+
+    Lightning keeps the earliest of equal scores, which tests a less trained model for nothing: a
+    score still at 0 early in training, or blockwise heads trained on a frozen backbone, whose exact
+    decoding scores the same every epoch while the heads (and the speed) improve."""
+
+    def check_monitor_top_k(self, trainer, current=None) -> bool:
+        if super().check_monitor_top_k(trainer, current):
+            return True
+        tie = current is not None and bool(current == self.best_k_models[self.kth_best_model_path])
+        return trainer.strategy.reduce_boolean_decision(tie)
+
+
 class _ExceptionWatcher(Callback):
     """Remembers the exception the trainer saw: Lightning turns Ctrl-C into `SystemExit`."""
 
@@ -288,21 +302,19 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     log_params(logger, cfg, built.datamodule)
     watcher = _ExceptionWatcher()
     folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
-    best_checkpoint = ModelCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
-                                      auto_insert_metric_name=False, monitor=built.module.primary_metric,
-                                      mode="max", save_top_k=1)
+    best_checkpoint = BestCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
+                                     auto_insert_metric_name=False, monitor=built.module.primary_metric,
+                                     mode="max", save_top_k=1)
     # Written at the end of every epoch (ModelCheckpoint's own `save_last` is only refreshed when
-    # the best one is): what `--resume` takes up, and what is tested when nothing improved.
+    # the best one is): what `--resume` takes up, and what is tested when validation never ran.
     last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
     trainer = make_trainer(cfg, logger, callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
     with run_status(logger, watcher):
         trainer.fit(built.module, datamodule=built.datamodule,
                     ckpt_path=resume.checkpoint if resume else None)
-        # The best checkpoint by the task's metric; the last one when the metric never rose above
-        # 0 (ties keep the earliest checkpoint, which would otherwise test a barely trained model).
-        score = best_checkpoint.best_model_score
-        improved = score is not None and float(score) > 0
-        best = best_checkpoint.best_model_path if improved else last_checkpoint.best_model_path
+        # The best checkpoint by the task's metric (the latest of equal scores); the last one when
+        # validation never ran.
+        best = best_checkpoint.best_model_path or last_checkpoint.best_model_path
         trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
         if rank_zero_only.rank == 0:
             logger.experiment.set_tag(run_id, "tested_checkpoint", best)

@@ -82,13 +82,19 @@ def predictions(tmp_path: Path, run_id: str) -> list[list[str]]:
 def test_init_from_a_checkpoint_starts_from_its_backbone_and_tokenizer(tmp_path):
     """Blockwise heads trained on a frozen, trained sequential backbone (Stern et al.'s frozen
     setting): the backbone stays the sequential model's, so exact blockwise decoding gives its
-    predictions. The tokenizer comes from the checkpoint, not from training a new one."""
+    predictions. The tokenizer comes from the checkpoint, not from training a new one. Its
+    validation score is the same every epoch, and the latest of equal scores is tested."""
     sequential = fit.main(["--task", "keyphrase", *TINY, *tracking(tmp_path)])
     fresh_cache = tmp_path / "unused_tokenizer_cache"
     blockwise = fit.main(["--task", "keyphrase", "--decoder", "blockwise",
                           f"train.init_from={sequential['checkpoint']}", "decoder.freeze_backbone=true",
-                          *TINY, *tracking(tmp_path), f"data.tokenizer_cache={fresh_cache}"])
+                          *TINY, "trainer.max_epochs=3", *tracking(tmp_path),
+                          f"data.tokenizer_cache={fresh_cache}"])
     assert not fresh_cache.exists()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    scores = [m.value for m in client.get_metric_history(blockwise["run_id"], "val/present_f1_at_M")]
+    assert len(scores) == 3 and len(set(scores)) == 1
+    assert Path(blockwise["checkpoint"]).name == "epoch2-step12.ckpt"
     start = torch.load(sequential["checkpoint"], weights_only=False)["state_dict"]
     end = torch.load(blockwise["checkpoint"], weights_only=False)["state_dict"]
     backbone = [key for key in start if key.startswith("backbone.")]
