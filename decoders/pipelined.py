@@ -189,22 +189,19 @@ class PipelinedDecoder(Decoder):
             else:
                 bias = attention_bias(table, self.delay, keys, keys)
                 hidden = run_decoder(model, keys.tokens, bias, encoder_states, attention_mask)[:, -width:]
-            logits = output_logits(model, hidden)                            # (B', R, vocab)
-            predicted = logits.argmax(-1)                                    # (B', R)
+            # logits only at the running subsequences' columns: padding columns cost no vocab row
+            live, column = valid.nonzero(as_tuple=True)                      # (n,) each
+            logits = output_logits(model, hidden[live, column])              # (n, vocab)
+            token = logits.argmax(-1)                                        # (n,)
+            slot = order[live, column]
+            j = offset[live, slot]
             batch_calls += 1
             calls[rows[count > 0]] += 1
             if record_logits:
-                for r, slot, j, ok, row_logits in zip(
-                        rows.tolist(), order.tolist(), query.offset.tolist(), valid.tolist(), logits):
-                    for c in range(width):
-                        if ok[c]:
-                            logits_seen[(r, slot[c], j[c])] = row_logits[c].clone()
+                for key, position_logits in zip(zip(rows[live].tolist(), slot.tolist(), j.tolist()), logits):
+                    logits_seen[key] = position_logits.clone()
 
             # 4. write the new tokens back to their slots and update the slots' states
-            live, column = valid.nonzero(as_tuple=True)
-            slot = order[live, column]
-            token = predicted[live, column]
-            j = offset[live, slot]
             produced[rows[live], slot, j] = token
             produced_length[rows[live], slot] = j + 1
             tokens_out.index_add_(0, rows[live], torch.ones_like(live))
