@@ -27,6 +27,7 @@ from datamodules.sources import SPLITS
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
 from tasks.compare import parse_decoders, parse_sweeps, plan, row_label
+from tasks.config import to_yaml
 from tasks.models import build_backbone
 from tasks.run import base_parser, decoder_options, main_guard
 
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
     planned = plan(args.task, parse_decoders(args.decoders), args.config, args.overrides,
                    parse_sweeps(args.sweep))
+    if args.print_config:
+        for cfg, _ in planned:
+            print(to_yaml(cfg))
+        return {}
     cfg = planned[0][0]
 
     datamodule = SubsequenceDataModule(cfg)

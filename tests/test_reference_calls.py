@@ -34,6 +34,14 @@ def test_counts_on_builtin_keyphrase_references(tmp_path):
     assert result["examples"] == len(targets) == 8
 
 
+def test_print_config_prints_each_decoder_and_does_nothing_else(tmp_path, capsys):
+    assert reference_calls.main(["--decoders", "sequential,pipelined", "--print-config",
+                                 "decoder.delay=2", *tracking(tmp_path)]) == {}
+    printed = capsys.readouterr().out
+    assert "name: sequential" in printed and "delay: 2" in printed
+    assert not (tmp_path / "tok").exists()  # no tokenizer was trained
+
+
 def test_unknown_decoder_is_a_clear_error():
     with pytest.raises(ConfigError, match="unknown decoder 'beam'; available: blockwise, nar, pipelined"):
         reference_calls.main(["--decoders", "sequential,beam"])
