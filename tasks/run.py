@@ -257,7 +257,9 @@ def initial_weights(cfg: DictConfig) -> InitialWeights | None:
     if path is None:
         return None
     checkpoint = load_checkpoint(path)
-    differences = config_differences(checkpoint, cfg, "in the checkpoint", only="model.")
+    # dropout and the random-init scale may differ: neither shapes nor fills the loaded weights
+    differences = [d for d in config_differences(checkpoint, cfg, "in the checkpoint", only="model.")
+                   if d.split(":")[0] not in ("model.dropout", "model.initializer_factor")]
     if differences:
         raise ConfigError(f"train.init_from={path} holds another model: {'; '.join(differences)}")
     prefix = "backbone."

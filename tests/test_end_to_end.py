@@ -88,7 +88,7 @@ def test_init_from_a_checkpoint_starts_from_its_backbone_and_tokenizer(tmp_path)
     fresh_cache = tmp_path / "unused_tokenizer_cache"
     blockwise = fit.main(["--task", "keyphrase", "--decoder", "blockwise",
                           f"train.init_from={sequential['checkpoint']}", "decoder.freeze_backbone=true",
-                          *TINY, "trainer.max_epochs=3", *tracking(tmp_path),
+                          *TINY, "trainer.max_epochs=3", "model.dropout=0.2", *tracking(tmp_path),
                           f"data.tokenizer_cache={fresh_cache}"])
     assert not fresh_cache.exists()
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
