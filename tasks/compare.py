@@ -246,6 +246,15 @@ def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | N
 
 # -- reporting ------------------------------------------------------------------------------------
 
+def reference_calls_per_example(row: Row) -> float | None:
+    """Mean decoder calls that producing the test references would take with this row's decoder
+    (`Decoder.calls_for_output`); None where that depends on the model. Next to the calls the
+    trained model took, it tells a cheaper decoder from a model that writes less."""
+    targets = [example.target_ids for example in row.datamodule.dataset("test")]
+    calls = [row.module.decoder.calls_for_output(subsequences) for subsequences in targets]
+    return None if None in calls or not calls else statistics.mean(calls)
+
+
 def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     out_rows = []
@@ -258,6 +267,7 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
             "examples_per_second_batch": row.speed["examples_per_second_batch"],
             "speedup_bs1": None, "speedup_batch": None,
             "decoder_calls_per_example": calls,
+            "reference_calls_per_example": reference_calls_per_example(row),
             "tokens_per_call": row.telemetry.get("tokens_per_call"),
             "peak_memory_mb": row.speed["peak_memory_mb"],
             "mlflow_run_id": row.logger.run_id,
@@ -283,13 +293,14 @@ def markdown(result: dict) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
 
     head = ["decoder", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
-            "calls/ex", "tokens/call", "peak MB"]
+            "calls/ex", "reference calls/ex", "tokens/call", "peak MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         cells = [r["label"], *(fmt(r["quality"][k]) for k in shown),
                  fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
-                 fmt(r["decoder_calls_per_example"], 1), fmt(r["tokens_per_call"], 2),
+                 fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
+                 fmt(r["tokens_per_call"], 2),
                  fmt(r["peak_memory_mb"], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "

@@ -9,8 +9,8 @@ from tasks.config import ConfigError
 from tests.test_end_to_end import TINY, tracking
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
-            "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "tokens_per_call",
-            "peak_memory_mb"}
+            "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
+            "tokens_per_call", "peak_memory_mb"}
 
 
 @pytest.mark.slow
@@ -36,6 +36,9 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
         assert row["speedup_batch"] == pytest.approx(row["examples_per_second_batch"]
                                                      / sequential["examples_per_second_batch"])
     assert sequential["tokens_per_call"] == pytest.approx(1.0)
+    # calls the test references need: fewer pipelined; a decode-time bound does not enter
+    references = [row["reference_calls_per_example"] for row in written["rows"]]
+    assert references[1] == references[2] < references[0]
 
     table = out.with_suffix(".md").read_text()
     assert "| sequential |" in table and "speedup bs1" in table
