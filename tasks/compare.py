@@ -32,8 +32,8 @@ from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
 from tasks.test import checkpoint_config, restore
-from tasks.run import (Built, base_parser, decoder_options, load_checkpoint, log, log_artifacts,
-                       log_params, main_guard, make_trainer, open_tracking, train_and_test)
+from tasks.run import (Built, base_parser, decoder_options, load_checkpoint, log, main_guard,
+                       open_tracking, score_into_run, train_and_test)
 
 
 @dataclass
@@ -130,10 +130,7 @@ def training_key(cfg: DictConfig) -> str:
 def score_row(cfg: DictConfig, built, tags: dict) -> Row:
     """Decode and score the test split with an already-trained module, as a new MLflow run."""
     logger = open_tracking(cfg, f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}", tags=tags)
-    log_params(logger, cfg, built.datamodule)
-    trainer = make_trainer(cfg, logger)
-    trainer.test(built.module, datamodule=built.datamodule, verbose=False)
-    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    score_into_run(logger, cfg, built)
     return Row(cfg, built.module, built.datamodule, logger)
 
 
@@ -246,13 +243,18 @@ def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | N
 
 # -- reporting ------------------------------------------------------------------------------------
 
+def reference_calls(decoder, datamodule, split: str = "test") -> list[int] | None:
+    """Per example of `split`, the decoder calls that producing its references would take with
+    `decoder` (`Decoder.calls_for_output`); None where that depends on the model."""
+    calls = [decoder.calls_for_output(example.target_ids) for example in datamodule.dataset(split)]
+    return None if None in calls or not calls else calls
+
+
 def reference_calls_per_example(row: Row) -> float | None:
-    """Mean decoder calls that producing the test references would take with this row's decoder
-    (`Decoder.calls_for_output`); None where that depends on the model. Next to the calls the
-    trained model took, it tells a cheaper decoder from a model that writes less."""
-    targets = [example.target_ids for example in row.datamodule.dataset("test")]
-    calls = [row.module.decoder.calls_for_output(subsequences) for subsequences in targets]
-    return None if None in calls or not calls else statistics.mean(calls)
+    """Mean calls the test references need with this row's decoder: next to the calls the trained
+    model took, it tells a cheaper decoder from a model that writes less."""
+    calls = reference_calls(row.module.decoder, row.datamodule)
+    return None if calls is None else statistics.mean(calls)
 
 
 def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:

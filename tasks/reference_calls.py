@@ -26,7 +26,7 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.sources import SPLITS
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
-from tasks.compare import parse_decoders, parse_sweeps, plan, row_label
+from tasks.compare import parse_decoders, parse_sweeps, plan, reference_calls, row_label
 from tasks.config import to_yaml
 from tasks.models import build_backbone
 from tasks.run import base_parser, decoder_options, main_guard
@@ -35,17 +35,15 @@ from tasks.run import base_parser, decoder_options, main_guard
 def reference_counts(planned, datamodule: SubsequenceDataModule, split: str) -> list[dict]:
     """One row per planned decoder: its calls per reference of `split` (None where the count
     depends on the model), with the mean and the ratio to the first row's mean."""
-    targets = [example.target_ids for example in datamodule.dataset(split)]
     backbone_config = build_backbone(planned[0][0].model, datamodule.tokenizer).config
     special = special_tokens(datamodule.tokenizer)
     rows = []
     for cfg, swept in planned:
         decoder = build_decoder(cfg.decoder.name, backbone_config, special, **decoder_options(cfg))
-        calls = [decoder.calls_for_output(subsequences) for subsequences in targets]
-        known = None not in calls
+        calls = reference_calls(decoder, datamodule, split)
         rows.append({"label": row_label(cfg, swept),
-                     "calls_per_example": statistics.mean(calls) if known else None,
-                     "median_calls": statistics.median(calls) if known else None})
+                     "calls_per_example": statistics.mean(calls) if calls else None,
+                     "median_calls": statistics.median(calls) if calls else None})
     baseline = rows[0]["calls_per_example"]
     for row in rows:
         mean = row["calls_per_example"]

@@ -10,6 +10,7 @@ import tempfile
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import lightning as L
 import torch
@@ -132,6 +133,14 @@ def log_params(logger: MLFlowLogger, cfg: DictConfig, datamodule: SubsequenceDat
     logger.log_hyperparams(params)
 
 
+def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built) -> None:
+    """Decode and score the test split with an already-trained module; params, metrics, config and
+    predictions go to `logger`'s run."""
+    log_params(logger, cfg, built.datamodule)
+    make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
+    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+
+
 @dataclass
 class Trained:
     built: Built
@@ -223,15 +232,16 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
     return Resume(run.info.run_id, str(last), checkpoint_tokenizer(stored_checkpoint))
 
 
-def config_differences(checkpoint: dict, cfg: DictConfig, there: str, only: str = "") -> list[str]:
-    """`key: value <there>, value now` for each key (starting with `only`) whose value in the
-    checkpoint's configuration differs from `cfg`'s."""
+def config_differences(checkpoint: dict, cfg: DictConfig, there: str,
+                       compared: Callable[[str], bool] = lambda key: True) -> list[str]:
+    """`key: value <there>, value now` for each `compared` key whose value in the checkpoint's
+    configuration differs from `cfg`'s."""
     # through `compose`, so that keys the library gained since the checkpoint compare as defaults
     stored = flatten(compose(base=checkpoint["hyper_parameters"]["cfg"]))
     current = flatten(cfg)
     return [f"{key}: {stored.get(key)!r} {there}, {current.get(key)!r} now"
             for key in sorted(set(stored) | set(current))
-            if key.startswith(only) and stored.get(key) != current.get(key)]
+            if compared(key) and stored.get(key) != current.get(key)]
 
 
 def load_checkpoint(path: str) -> dict:
@@ -258,8 +268,9 @@ def initial_weights(cfg: DictConfig) -> InitialWeights | None:
         return None
     checkpoint = load_checkpoint(path)
     # dropout and the random-init scale may differ: neither shapes nor fills the loaded weights
-    differences = [d for d in config_differences(checkpoint, cfg, "in the checkpoint", only="model.")
-                   if d.split(":")[0] not in ("model.dropout", "model.initializer_factor")]
+    differences = config_differences(
+        checkpoint, cfg, "in the checkpoint", compared=lambda key: key.startswith("model.")
+        and key not in ("model.dropout", "model.initializer_factor"))
     if differences:
         raise ConfigError(f"train.init_from={path} holds another model: {'; '.join(differences)}")
     prefix = "backbone."

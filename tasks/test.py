@@ -14,7 +14,7 @@ import time
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
 from tasks.run import (base_parser, build, checkpoint_tokenizer, default_run_name, load_checkpoint,
-                       log, log_artifacts, log_params, main_guard, make_trainer, open_tracking)
+                       log, main_guard, open_tracking, score_into_run)
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
@@ -60,10 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     logger = open_tracking(cfg, f"test {default_run_name(cfg)}", tags={"checkpoint": args.ckpt})
     built = restore(checkpoint, args.ckpt, cfg)
-    log_params(logger, cfg, built.datamodule)
-    trainer = make_trainer(cfg, logger)
-    trainer.test(built.module, datamodule=built.datamodule, verbose=False)
-    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    score_into_run(logger, cfg, built)
     scores = built.module.test_scores
     log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(scores.items())))
     log.info("MLflow run %s; wall time %.1fs", logger.run_id, time.perf_counter() - started)
