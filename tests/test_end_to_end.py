@@ -73,9 +73,14 @@ def test_every_decoder_fits_and_decodes_every_task(task, decoder, tmp_path):
         assert result["scores"]["decoder_calls_per_example"] == 4.0
 
 
-def predictions(tmp_path: Path, run_id: str) -> list[list[str]]:
-    path = tmp_path / "artifacts" / run_id / "artifacts" / "predictions.jsonl"
-    return [json.loads(line)["prediction"] for line in path.read_text().splitlines()]
+def run_artifact_rows(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:
+    """The rows of a run's predictions.jsonl artifact, downloaded into `folder`."""
+    local = client.download_artifacts(run_id, "predictions.jsonl", str(folder))
+    return [json.loads(line) for line in Path(local).read_text().splitlines()]
+
+
+def weights(checkpoint_path: str) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint_path, map_location="cpu", weights_only=False)["state_dict"]
 
 
 @pytest.mark.slow
@@ -95,12 +100,14 @@ def test_init_from_a_checkpoint_starts_from_its_backbone_and_tokenizer(tmp_path)
     scores = [m.value for m in client.get_metric_history(blockwise["run_id"], "val/present_f1_at_M")]
     assert len(scores) == 3 and len(set(scores)) == 1
     assert Path(blockwise["checkpoint"]).name == "epoch2-step12.ckpt"
-    start = torch.load(sequential["checkpoint"], weights_only=False)["state_dict"]
-    end = torch.load(blockwise["checkpoint"], weights_only=False)["state_dict"]
+    start, end = weights(sequential["checkpoint"]), weights(blockwise["checkpoint"])
     backbone = [key for key in start if key.startswith("backbone.")]
     assert backbone and all(torch.equal(start[key], end[key]) for key in backbone)
     assert any(key.startswith("decoder.heads") for key in end)
-    assert predictions(tmp_path, blockwise["run_id"]) == predictions(tmp_path, sequential["run_id"])
+    predicted = {name: [row["prediction"] for row in
+                        run_artifact_rows(client, result["run_id"], tmp_path / name)]
+                 for name, result in (("blockwise", blockwise), ("sequential", sequential))}
+    assert predicted["blockwise"] == predicted["sequential"]
 
     with pytest.raises(ConfigError, match=r"holds another model: model.d_model: 32 in the "
                                           r"checkpoint, 64 now"):

@@ -18,7 +18,7 @@ from datamodules.schema import DataError
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
 from tasks.run import AtomicCheckpointIO, build, make_trainer, train_and_test
-from tests.test_end_to_end import TINY, tracking
+from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = {"examples_per_second", "decode_seconds"}  # the only scores allowed to differ between runs
@@ -26,11 +26,6 @@ TIMING = {"examples_per_second", "decode_seconds"}  # the only scores allowed to
 
 def quality_and_counts(scores: dict) -> dict:
     return {k: v for k, v in scores.items() if k not in TIMING}
-
-
-def run_artifact_rows(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:
-    local = client.download_artifacts(run_id, "predictions.jsonl", str(folder))
-    return [json.loads(line) for line in Path(local).read_text().splitlines()]
 
 
 # ---- DDP ------------------------------------------------------------------------------------------
@@ -92,10 +87,6 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.current_epoch == self.epoch and batch_idx == self.batch:
             raise self.error
-
-
-def weights(checkpoint_path: str) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint_path, map_location="cpu", weights_only=False)["state_dict"]
 
 
 def last_checkpoint(run_id: str, tmp_path: Path) -> str:
