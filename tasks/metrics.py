@@ -79,13 +79,18 @@ def _partial_match_credit(gold: set[str], pred: set[str]) -> tuple[float, float]
     """(precision credit, recall credit) of one example for the partial-match scores.
 
     Every pred earns its best overlap with a gold, as a fraction of the pred's length; every gold
-    earns its best overlap with a pred, as a fraction of the gold's length.
+    earns its best overlap with a pred, as a fraction of the gold's length. An empty string
+    overlaps nothing, so it earns 0 (and its length is never divided by).
     """
-    if not gold or not pred:
-        return (1.0, 1.0) if gold == pred else (0.0, 0.0)
+    # The script's no-answer rule, which reads "" as "no answer" here (and only here): with no gold
+    # span, predicting nothing or only "" is right; with gold spans, it is wrong.
+    if not gold:
+        return (1.0, 1.0) if pred <= {""} else (0.0, 0.0)
+    if pred <= {""}:
+        return 0.0, 0.0
     overlap = {(g, p): _longest_common_substring(g, p) for g in gold for p in pred}
-    precision = sum(max(overlap[g, p] / len(p) for g in gold) for p in pred)
-    recall = sum(max(overlap[g, p] / len(g) for p in pred) for g in gold)
+    precision = sum(max(_ratio(overlap[g, p], len(p)) for g in gold) for p in pred)
+    recall = sum(max(_ratio(overlap[g, p], len(g)) for p in pred) for g in gold)
     return precision, recall
 
 
@@ -93,20 +98,22 @@ class MultiSpanMatch(Metric):
     """Exact- and partial-match precision, recall and F1 over sets of answer spans.
 
     Reproduces the official MultiSpanQA evaluation (Li et al., 2022, "MultiSpanQA: A Dataset for
-    Multi-Span Question Answering", ``eval_script.py`` of haonan-li/MultiSpanQA). Answers are
-    normalised SQuAD-style and compared as sets per example; empty normalised answers are dropped.
+    Multi-Span Question Answering", ``src/eval_script.py`` of haonan-li/MultiSpanQA as published,
+    commit 6d48f8c), empty cases included. Answers are normalised SQuAD-style and compared as sets
+    per example. A span that normalises to "" (e.g. "", "?", "the") stays in its set as an
+    element of its own: it counts as a prediction (or gold span) and matches only another "".
     Scores are micro-averaged: an example contributes max(|gold|, 1) to the gold count and
-    max(|pred|, 1) to the prediction count. Two edge cases differ from the script as published
-    (commit 6d48f8c), both for empty answers: there a "" next to real predicted spans counts as a
-    wrong prediction, and an example with neither gold nor predicted spans earns no exact-match
-    credit (some later copies of the script add that credit, as done here).
+    max(|pred|, 1) to the prediction count.
 
-    * Exact match (``em_*``): credit is |gold ∩ pred|, plus 1 when both sets are empty.
+    * Exact match (``em_*``): credit is |gold ∩ pred|. An example with neither gold nor predicted
+      spans therefore earns nothing; the upstream script's later revisions (from commit 9262ee2)
+      give it 1, the version followed here does not.
     * Partial match (``pm_*``): each pair is scored by the longest common character substring
       (``difflib.SequenceMatcher.find_longest_match``) divided by the prediction's length
       (precision) or the gold's length (recall); each prediction earns its best precision score
-      over golds and each gold its best recall score over predictions. An example with both sets
-      empty earns 1 of each, one with exactly one empty set earns 0.
+      over golds and each gold its best recall score over predictions. An example with no gold
+      span earns 1 of each when the prediction set is empty or exactly {""}, else 0; an example
+      with gold spans and a prediction set that is empty or exactly {""} earns 0.
 
     ``update(preds, targets)`` takes, per example, a list of predicted spans and a list of gold
     spans.
@@ -124,11 +131,11 @@ class MultiSpanMatch(Metric):
     def update(self, preds: Sequence[Sequence[str]], targets: Sequence[Sequence[str]]) -> None:
         _check_same_length(preds=preds, targets=targets)
         for pred_spans, gold_spans in zip(preds, targets):
-            pred = {normalize_answer(span) for span in pred_spans} - {""}
-            gold = {normalize_answer(span) for span in gold_spans} - {""}
+            pred = {normalize_answer(span) for span in pred_spans}
+            gold = {normalize_answer(span) for span in gold_spans}
             self.n_gold += max(len(gold), 1)
             self.n_pred += max(len(pred), 1)
-            self.em_credit += len(gold & pred) + int(not gold and not pred)
+            self.em_credit += len(gold & pred)
             precision_credit, recall_credit = _partial_match_credit(gold, pred)
             self.pm_precision_credit += precision_credit
             self.pm_recall_credit += recall_credit

@@ -121,10 +121,13 @@ def test_msm_micro_average():
     assert scores["em_f1"] == pytest.approx(2 * 0.4 * 0.5 / 0.9)
 
 
-@pytest.mark.parametrize("preds", [[], [""], ["", "?!"], ["The", "a."]], ids=repr)
-def test_msm_both_empty_scores_one(preds):
-    assert score(MultiSpanMatch(), preds=[preds], targets=[[]]) == pytest.approx(
-        dict.fromkeys(MSM_KEYS, 1.0))
+@pytest.mark.parametrize("preds", [[], [""], ["", "?!", "The"]], ids=repr)
+def test_msm_no_gold_and_no_answer(preds):
+    # no gold span and nothing (or only "") predicted: partial match calls it right, exact match
+    # gives no credit, as the official script does
+    scores = score(MultiSpanMatch(), preds=[preds], targets=[[]])
+    assert scores == pytest.approx({**dict.fromkeys(MSM_KEYS, 1.0),
+                                    "em_precision": 0.0, "em_recall": 0.0, "em_f1": 0.0})
 
 
 def test_msm_one_side_empty():
@@ -135,10 +138,34 @@ def test_msm_one_side_empty():
         assert scores[f"{kind}_recall"] == pytest.approx(1 / 3)
 
 
-def test_msm_empty_answers_do_not_count():
-    # "" and punctuation-only answers are dropped before counting: 1 prediction, 1 gold
-    scores = score(MultiSpanMatch(), preds=[["", "yes", "!"]], targets=[["yes", "."]])
-    assert scores == pytest.approx(dict.fromkeys(MSM_KEYS, 1.0))
+def test_msm_empty_prediction_stays_in_the_set():
+    # "" and "!" both normalise to "", one element of the pred set {"", "yes"}: 2 predictions, 1
+    # of them right; "" overlaps nothing, so it earns no partial credit either
+    scores = score(MultiSpanMatch(), preds=[["", "yes", "!"]], targets=[["yes"]])
+    expected = {"precision": 1 / 2, "recall": 1.0, "f1": 2 / 3}
+    assert scores == pytest.approx({f"{kind}_{stat}": value for kind in ("em", "pm")
+                                    for stat, value in expected.items()})
+
+
+def test_msm_empty_prediction_next_to_a_span_is_not_no_answer():
+    # without gold spans, {"", "x"} is a wrong answer of 2 predictions (not the no-answer case):
+    # 2 + 1 predictions, 1 + 1 golds, only "z" earns credit
+    scores = score(MultiSpanMatch(), preds=[["", "x"], ["z"]], targets=[[], ["z"]])
+    for kind in ("em", "pm"):
+        assert scores[f"{kind}_precision"] == pytest.approx(1 / 3)
+        assert scores[f"{kind}_recall"] == pytest.approx(1 / 2)
+
+
+def test_msm_gold_that_normalises_to_empty():
+    # a gold "The" is the gold set {""}, not an empty one: exact match pairs it with a predicted
+    # "", while partial match scores a prediction set of exactly {""} against gold spans as 0
+    scores = score(MultiSpanMatch(), preds=[["?"]], targets=[["The"]])
+    assert scores == pytest.approx({**dict.fromkeys(MSM_KEYS, 1.0),
+                                    "pm_precision": 0.0, "pm_recall": 0.0, "pm_f1": 0.0})
+    # both sets {"", "ohio"}: 2 exact matches; in partial match "" earns 0 on either side
+    scores = score(MultiSpanMatch(), preds=[["a", "Ohio"]], targets=[["The", "ohio"]])
+    assert scores == pytest.approx({**dict.fromkeys(MSM_KEYS, 1.0),
+                                    "pm_precision": 0.5, "pm_recall": 0.5, "pm_f1": 0.5})
 
 
 def test_msm_partial_match_credit():
@@ -344,42 +371,46 @@ def test_sharded_states_merge_to_whole(make_metric, inputs):
 # ----------------------------------------------------------------------------------------------
 
 
+def official_normalize(s: str) -> str:
+    """normalize_answer of the official script: lowercase, drop punctuation, then articles, then
+    extra whitespace."""
+    s = s.lower().translate(str.maketrans("", "", string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s, flags=re.UNICODE)
+    return " ".join(s.split())
+
+
 def reference_multispanqa(preds: list[list[str]], golds: list[list[str]]) -> dict[str, float]:
-    """Official MultiSpanQA eval_script logic, written independently (micro-averaged)."""
-    drop_punct = str.maketrans("", "", string.punctuation)
-
-    def norm(s: str) -> str:
-        s = s.lower().translate(drop_punct)
-        s = re.sub(r"\b(a|an|the)\b", " ", s, flags=re.UNICODE)
-        return " ".join(s.split())
-
+    """The official MultiSpanQA evaluation (haonan-li/MultiSpanQA, src/eval_script.py at commit
+    6d48f8c: multi_span_evaluate, compute_scores, count_overlap), transcribed independently:
+    normalised spans compared as sets with "" kept as an element, micro-averaged."""
     nb_gold = nb_pred = nb_correct = credit_p = credit_r = 0.0
     for pred_list, gold_list in zip(preds, golds):
-        gold = sorted({norm(g) for g in gold_list} - {""})
-        pred = sorted({norm(p) for p in pred_list} - {""})
+        gold = {official_normalize(g) for g in gold_list}
+        pred = {official_normalize(p) for p in pred_list}
         nb_gold += max(len(gold), 1)
         nb_pred += max(len(pred), 1)
-        if not gold and not pred:
-            nb_correct += 1
+        nb_correct += len(gold.intersection(pred))
+        if len(gold) == 0 and (len(pred) == 0 or pred == {""}):  # correct no-answer
             credit_p += 1
             credit_r += 1
             continue
-        nb_correct += len(set(gold).intersection(pred))
-        if not gold or not pred:
+        if len(gold) == 0 or len(pred) == 0 or pred == {""}:  # incorrect no-answer
             continue
-        p_scores = np.zeros((len(gold), len(pred)))
-        r_scores = np.zeros((len(gold), len(pred)))
-        for i, g in enumerate(gold):
-            for j, p in enumerate(pred):
+        gold_spans, pred_spans = list(gold), list(pred)
+        p_scores = np.zeros((len(gold_spans), len(pred_spans)))
+        r_scores = np.zeros((len(gold_spans), len(pred_spans)))
+        for i, g in enumerate(gold_spans):
+            for j, p in enumerate(pred_spans):
                 matcher = difflib.SequenceMatcher(None, g, p)
                 _, _, longest = matcher.find_longest_match(0, len(g), 0, len(p))
-                p_scores[i, j] = longest / len(p)
-                r_scores[i, j] = longest / len(g)
+                p_scores[i, j] = longest / len(p) if longest > 0 else 0
+                r_scores[i, j] = longest / len(g) if longest > 0 else 0
         credit_p += p_scores.max(axis=0).sum()
         credit_r += r_scores.max(axis=1).sum()
 
     def prf(correct_p, correct_r):
-        p, r = correct_p / nb_pred, correct_r / nb_gold
+        p = correct_p / nb_pred if nb_pred > 0 else 0.0
+        r = correct_r / nb_gold if nb_gold > 0 else 0.0
         return p, r, (2 * p * r / (p + r) if p + r > 0 else 0.0)
 
     result = {}
@@ -408,8 +439,8 @@ def perturb_spans(rng: random.Random, answers: list[str], context: str) -> list[
     preds += [context_span(5) for _ in range(rng.randint(0, 3))]
     if rng.random() < 0.1:
         preds.append(context_span(60))  # long span: difflib's autojunk applies
-    if rng.random() < 0.1:
-        preds.append(rng.choice(["", "?", "the"]))
+    if rng.random() < 0.25:
+        preds.append(rng.choice(["", "?", "the"]))  # normalises to ""
     if rng.random() < 0.1:
         preds = []
     preds += preds[:1]  # a repeated span
@@ -423,8 +454,15 @@ def test_multispanmatch_matches_reference_on_multispanqa():
     preds, golds = [], []
     for i, row in enumerate(rows):
         preds.append(perturb_spans(rng, row["answers"], row["context"]))
-        golds.append([] if i % 13 == 0 else row["answers"])  # a few unanswerable examples
-    preds[0] = []  # unanswerable and answered as such
+        # a few unanswerable examples, and a few with a gold span that normalises to ""
+        golds.append([] if i % 13 == 0 else row["answers"] + (["The"] if i % 11 == 1 else []))
+    preds[0], preds[13] = [], ["", "?"]  # unanswerable and answered as such, two ways
+    # the empty cases on which the official script differs from dropping "" all occur
+    pred_sets = [{official_normalize(p) for p in ps} for ps in preds]
+    gold_sets = [{official_normalize(g) for g in gs} for gs in golds]
+    assert sum("" in pred and len(pred) > 1 for pred in pred_sets) >= 5
+    assert sum(not gold and pred <= {""} for gold, pred in zip(gold_sets, pred_sets)) >= 2
+    assert sum("" in gold for gold in gold_sets) >= 3
     expected = reference_multispanqa(preds, golds)
     assert 0.1 < expected["em_f1"] < expected["pm_f1"] < 0.95
     metric = MultiSpanMatch()
