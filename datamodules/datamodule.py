@@ -100,13 +100,8 @@ class SubsequenceDataModule(L.LightningDataModule):
         """Read and validate all splits (cheap), before any tokenizer training or model building."""
         if self._records:
             return
-        limits = {"train": self.data.max_train_examples, "validation": self.data.max_eval_examples,
-                  "test": self.data.max_eval_examples}
         for split in SPLITS:
-            records = load_split(self.task, self.data, split)
-            if limits[split] is not None:
-                records = records[: limits[split]]
-            self._records[split] = records
+            self._records[split] = load_split(self.task, self.data, split)  # limits applied there
 
     def records(self, split: str) -> list[dict]:
         self.load_records()

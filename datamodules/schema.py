@@ -1,6 +1,8 @@
 """The one data format of the library: JSON objects, one per example, per task.
 
 keyphrase:      {"id", "title", "abstract", "keyphrases": [str, ...]}
+                optional "aliases": {keyphrase: [other form, ...]}: forms that score as that keyphrase
+                (KPTimes); only the keyphrase metric reads it
 qa:             {"id", "question", "context", "answers": [str, ...]}
 summarization:  {"id", "document", "summary": [sentence, ...]}
 
@@ -10,7 +12,7 @@ encoder reads) and a list of target subsequences (what the decoder writes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -23,6 +25,8 @@ class TaskSchema:
     fields: dict[str, type]            # field name -> required type (list means list of str)
     target_field: str                  # the field holding the target subsequences
     source_text: Callable[[dict], str]  # record -> text the encoder reads
+    # checked only when present; dict means str -> list of str
+    optional_fields: dict[str, type] = field(default_factory=dict)
 
 
 SCHEMAS: dict[str, TaskSchema] = {
@@ -30,6 +34,7 @@ SCHEMAS: dict[str, TaskSchema] = {
         fields={"id": str, "title": str, "abstract": str, "keyphrases": list},
         target_field="keyphrases",
         source_text=lambda r: f"{r['title']} {r['abstract']}".strip(),
+        optional_fields={"aliases": dict},
     ),
     "qa": TaskSchema(
         fields={"id": str, "question": str, "context": str, "answers": list},
@@ -57,18 +62,32 @@ def validate_record(task: str, record: object, where: str) -> dict:
     schema = schema_for(task)
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for field, kind in schema.fields.items():
-        if field not in record:
-            raise DataError(f"{where}: missing field {field!r} (a {task} record needs "
+    for name, kind in schema.fields.items():
+        if name not in record:
+            raise DataError(f"{where}: missing field {name!r} (a {task} record needs "
                             f"{', '.join(schema.fields)})")
-        value = record[field]
-        if kind is list:
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise DataError(f"{where}: field {field!r} must be a list of strings, got {value!r:.80}")
-        elif not isinstance(value, kind):
-            raise DataError(f"{where}: field {field!r} must be {kind.__name__}, "
-                            f"got {type(value).__name__}")
+        _check_type(record[name], name, kind, where)
+    for name, kind in schema.optional_fields.items():
+        if name in record:
+            _check_type(record[name], name, kind, where)
     return record
+
+
+def _is_string_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _check_type(value: object, name: str, kind: type, where: str) -> None:
+    if kind is list:
+        if not _is_string_list(value):
+            raise DataError(f"{where}: field {name!r} must be a list of strings, got {value!r:.80}")
+    elif kind is dict:
+        if not (isinstance(value, dict)
+                and all(isinstance(k, str) and _is_string_list(v) for k, v in value.items())):
+            raise DataError(f"{where}: field {name!r} must map strings to lists of strings, "
+                            f"got {value!r:.80}")
+    elif not isinstance(value, kind):
+        raise DataError(f"{where}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
 
 
 def target_texts(task: str, record: dict) -> list[str]:

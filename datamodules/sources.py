@@ -43,19 +43,13 @@ def read_jsonl(path: Path, task: str) -> list[dict]:
 
 
 def load_split(task: str, data: DictConfig, split: str) -> list[dict]:
-    """All records of one split, from the source that `data.source` names."""
+    """The records of one split, from the source that `data.source` names: the first
+    data.max_train_examples (train) or data.max_eval_examples (validation, test) of them, if set."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
-    if data.source == "builtin":
-        from datamodules.builtin import make_corpus
-        return make_corpus(task=task, split=split, size=int(data[f"{split}_size"]),
-                           seed=int(data.corpus_seed))
-    if data.source == "jsonl":
-        folder = Path(data.path)
-        if not folder.is_dir():
-            raise DataError(f"data.path={data.path!r} is not a folder (it must hold "
-                            f"{', '.join(s + '.jsonl' for s in SPLITS)})")
-        return read_jsonl(folder / f"{split}.jsonl", task)
+    limit = data.get("max_train_examples" if split == "train" else "max_eval_examples")
+    if data.source in LOCAL_SOURCES:
+        return _local_split(task, data, split)[:limit]
     from datamodules.hub import HUB_DATASETS, load_hub
     if data.source not in HUB_DATASETS:
         raise DataError(f"unknown data source {data.source!r}; allowed: "
@@ -63,4 +57,17 @@ def load_split(task: str, data: DictConfig, split: str) -> list[dict]:
     hub_task = HUB_DATASETS[data.source].task
     if hub_task != task:
         raise DataError(f"data={data.source} is a {hub_task} dataset, but task={task}")
-    return load_hub(data.source, split, cache_dir=data.get("cache_dir"))
+    # The hub loader applies the limit before downloading, not after.
+    return load_hub(data.source, split, cache_dir=data.get("cache_dir"), limit=limit)
+
+
+def _local_split(task: str, data: DictConfig, split: str) -> list[dict]:
+    if data.source == "builtin":
+        from datamodules.builtin import make_corpus
+        return make_corpus(task=task, split=split, size=int(data[f"{split}_size"]),
+                           seed=int(data.corpus_seed))
+    folder = Path(data.path)
+    if not folder.is_dir():
+        raise DataError(f"data.path={data.path!r} is not a folder (it must hold "
+                        f"{', '.join(s + '.jsonl' for s in SPLITS)})")
+    return read_jsonl(folder / f"{split}.jsonl", task)

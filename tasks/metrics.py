@@ -20,7 +20,7 @@ import difflib
 import functools
 import re
 import string
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from nltk.stem import PorterStemmer
@@ -186,6 +186,18 @@ def _is_present(phrase: Phrase, padded_source: str) -> bool:
     return bool(phrase) and f" {' '.join(phrase)} " in padded_source
 
 
+def _target_forms(targets: set[Phrase],
+                  aliases: Mapping[str, Sequence[str]]) -> dict[Phrase, set[Phrase]]:
+    """Each stemmed target with its stemmed aliases; aliases of a text that is not a target are
+    unused."""
+    forms = {target: {target} for target in targets}
+    for text, others in aliases.items():
+        target = _stem_phrase(text)
+        if target in forms:
+            forms[target].update(_stem_phrase(other) for other in others)
+    return forms
+
+
 class KeyphraseF1(Metric):
     """Macro-averaged F1@5 and F1@M for present and absent keyphrases.
 
@@ -206,6 +218,14 @@ class KeyphraseF1(Metric):
 
     ``update(preds, targets, sources)`` takes, per document, the ranked predicted keyphrases, the
     gold keyphrases and the source text (title and abstract joined by a space).
+
+    Aliases (KPTimes, whose gold keyphrases may have several forms, "republican national
+    convention" / "rnc"): the optional ``aliases`` gives, per document, a mapping from a target to
+    its other forms. As in KPTimes' evaluation, a prediction equal (stemmed) to any form of a target
+    matches that target; it then stands for the target, so a second prediction of the same target
+    in another form is a repeat and dropped. A target is present when any of its forms occurs in
+    the source (an extractor could copy it from there). Without aliases, scores are those of the
+    reference scorer.
     """
 
     is_differentiable = False
@@ -224,19 +244,30 @@ class KeyphraseF1(Metric):
         _add_sum_states(self, "n_docs", *sums)
 
     def update(self, preds: Sequence[Sequence[str]], targets: Sequence[Sequence[str]],
-               sources: Sequence[str]) -> None:
-        _check_same_length(preds=preds, targets=targets, sources=sources)
-        for pred_phrases, target_phrases, source in zip(preds, targets, sources):
+               sources: Sequence[str],
+               aliases: Sequence[Mapping[str, Sequence[str]]] | None = None) -> None:
+        if aliases is None:
+            aliases = [{}] * len(targets)
+        _check_same_length(preds=preds, targets=targets, sources=sources, aliases=aliases)
+        for pred_phrases, target_phrases, source, target_aliases in zip(preds, targets, sources,
+                                                                         aliases):
             padded_source = f" {' '.join(_stem_phrase(source))} "
-            stemmed_preds = [_stem_phrase(text) for text in pred_phrases]
-            valid_preds = _unique(
-                [p for p in stemmed_preds if p and self.invalid_tokens.isdisjoint(p)])
             unique_targets = {_stem_phrase(text) for text in target_phrases}
+            forms = _target_forms(unique_targets, target_aliases)
+            target_of = {form: target for target in unique_targets for form in forms[target]}
+            target_of.update((target, target) for target in unique_targets)  # a target is itself
+
+            def is_present(phrase: Phrase) -> bool:
+                return any(_is_present(form, padded_source)
+                           for form in forms.get(phrase, (phrase,)))
+
+            stemmed_preds = [_stem_phrase(text) for text in pred_phrases]
+            valid_preds = _unique([target_of.get(p, p) for p in stemmed_preds
+                                   if p and self.invalid_tokens.isdisjoint(p)])
             for kind in self.KINDS:
                 wanted = kind == "present"
-                kind_preds = [p for p in valid_preds if _is_present(p, padded_source) == wanted]
-                kind_targets = {t for t in unique_targets
-                                if _is_present(t, padded_source) == wanted}
+                kind_preds = [p for p in valid_preds if is_present(p) == wanted]
+                kind_targets = {t for t in unique_targets if is_present(t) == wanted}
                 is_match = [p in kind_targets for p in kind_preds]
                 for cutoff, k in self.CUTOFFS.items():
                     matches = sum(is_match[:k])

@@ -219,7 +219,8 @@ class KeyphraseTask(GenerationTask):
         source = schema_for("keyphrase").source_text
         self.metrics["keyphrase"].update(preds=predictions,
                                          targets=[target_texts("keyphrase", r) for r in records],
-                                         sources=[source(r) for r in records])
+                                         sources=[source(r) for r in records],
+                                         aliases=[r.get("aliases", {}) for r in records])
 
 
 class QATask(GenerationTask):

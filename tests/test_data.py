@@ -33,6 +33,8 @@ KP = {"id": "a", "title": "graph coloring", "abstract": "we study graph coloring
      "line 2: field 'keyphrases' must be a list of strings"),
     ('{"id": 7, "title": "t", "abstract": "x", "keyphrases": []}', "line 2: field 'id' must be str"),
     ('[1, 2]', "line 2: expected a JSON object"),
+    ('{"id": "b", "title": "t", "abstract": "x", "keyphrases": ["a"], "aliases": {"a": "b"}}',
+     "line 2: field 'aliases' must map strings to lists of strings"),
 ])
 def test_bad_jsonl_line_names_file_line_and_field(tmp_path, line, needle):
     write_split(tmp_path, "train", [KP, line])
