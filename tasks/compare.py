@@ -7,8 +7,10 @@ Each decoder is trained (or loaded with --ckpt) and its test split decoded and s
 run. Then speed is measured for all of them in this one process, with the same thread count, after a
 warm-up, interleaving the decoders and taking the median of `--repeats` passes: examples per second at
 batch size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
-prepared beforehand. Peak memory is taken in a separate pass at the eval batch size (CUDA: max
-allocated; CPU: the C heap in use, sampled every millisecond), over its level before the decode.
+prepared beforehand. Timing runs on the device the trainer settings give (`trainer.accelerator`,
+`trainer.devices`), with denormal floats flushed to zero on a CPU. Peak memory is taken in a separate
+pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every millisecond),
+over its level before the decode. The device and the flushing are recorded with the results.
 Writes FILE.json, FILE.md and two plots next to them, and a summary run to MLflow, all tagged with
 one comparison id.
 """
@@ -20,10 +22,12 @@ import statistics
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -32,8 +36,8 @@ from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
 from tasks.test import checkpoint_config, restore
-from tasks.run import (Built, base_parser, decoder_options, load_checkpoint, log, main_guard,
-                       open_tracking, score_into_run, train_and_test)
+from tasks.run import (Built, base_parser, decode_device, decoder_options, load_checkpoint, log,
+                       main_guard, open_tracking, score_into_run, train_and_test)
 
 
 @dataclass
@@ -176,7 +180,7 @@ class PeakMemory:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
@@ -194,7 +198,7 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             self._running = False
@@ -203,42 +207,74 @@ class PeakMemory:
         self.peak_mb = (peak - self._base) / 2 ** 20
 
 
+def flushing_denormals() -> bool:
+    """Whether this thread flushes denormal floats to zero (torch sets the mode but cannot report
+    it): a denormal float32 times one stays denormal unless flushed."""
+    return float(torch.tensor([1e-39]) * 1.0) == 0.0
+
+
+@contextmanager
+def flushed_denormals(device: torch.device):
+    """On a CPU, denormal floats flushed to zero for the block, then the previous mode restored;
+    yields whether they are flushed. A random model with a large init scale spends most of a CPU
+    decode in denormal arithmetic, which GPUs do at full speed: unflushed, CPU timings would
+    measure how many denormals a decoder meets rather than its work. (torch sets the mode of the
+    calling thread only: work it splits over its other intra-op threads is not flushed.)"""
+    if device.type != "cpu":
+        yield False
+        return
+    before = flushing_denormals()
+    flushed = torch.set_flush_denormal(True)  # False where the CPU cannot
+    try:
+        yield flushed
+    finally:
+        torch.set_flush_denormal(before)
+
+
 def time_row(row: Row, batch: dict) -> float:
     module = row.module
-    device = next(module.parameters()).device
-    return timed_generate(module.decoder, module.backbone, batch["input_ids"].to(device),
-                          batch["attention_mask"].to(device))[1]
+    return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
 
 
-def measure_speed(rows: list[Row], batch_size: int, repeats: int, limit: int | None) -> None:
-    """Interleaved, warmed-up timing of every row on the same prepared batches."""
+def measure_speed(rows: list[Row], device: torch.device, batch_size: int, repeats: int,
+                  limit: int | None) -> dict:
+    """Interleaved, warmed-up timing of every row on `device`, on the same prepared batches.
+
+    Returns the conditions of the timing: the device the modules' parameters were on while timed
+    and whether denormals were flushed."""
     datamodule = rows[0].datamodule
     examples = datamodule.dataset("test").examples[:limit]
-    singles = [datamodule.collate([e]) for e in examples]
-    batches = [datamodule.collate(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
+    # moved to the device beforehand, so that the copies are not timed
+    singles = [move_data_to_device(datamodule.collate([e]), device) for e in examples]
+    batches = [move_data_to_device(datamodule.collate(examples[i:i + batch_size]), device)
+               for i in range(0, len(examples), batch_size)]
     for row in rows:
+        # Lightning's test teardown left the module on the CPU, whatever the trainer ran on
+        row.module.to(device)
         row.module.eval()
-        with torch.inference_mode():
-            for batch in singles[:3] + batches[:1]:
-                time_row(row, batch)
     single_runs = {id(r): [] for r in rows}
     batch_runs = {id(r): [] for r in rows}
-    with torch.inference_mode(), tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
-        for _ in range(repeats):
-            for row in rows:
-                single_runs[id(row)].append([time_row(row, b) for b in singles])
-                batch_runs[id(row)].append(sum(time_row(row, b) for b in batches))
-                bar.update()
+    with flushed_denormals(device) as flushed, torch.inference_mode():
+        for row in rows:
+            for batch in singles[:3] + batches[:1]:
+                time_row(row, batch)
+        timed_on = str(next(rows[0].module.parameters()).device)
+        with tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
+            for _ in range(repeats):
+                for row in rows:
+                    single_runs[id(row)].append([time_row(row, b) for b in singles])
+                    batch_runs[id(row)].append(sum(time_row(row, b) for b in batches))
+                    bar.update()
         for row in rows:
             runs = single_runs[id(row)]
             row.latencies = [statistics.median(times) for times in zip(*runs)]
             row.speed["examples_per_second_bs1"] = len(examples) / statistics.median(sum(r) for r in runs)
             row.speed["examples_per_second_batch"] = len(examples) / statistics.median(batch_runs[id(row)])
-            device = next(row.module.parameters()).device
             with PeakMemory(device) as memory:
                 for batch in batches:
                     time_row(row, batch)
             row.speed["peak_memory_mb"] = memory.peak_mb
+    return {"device": timed_on, "flush_denormal": flushed}
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -257,7 +293,9 @@ def reference_calls_per_example(row: Row) -> float | None:
     return None if calls is None else statistics.mean(calls)
 
 
-def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
+def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict:
+    """The comparison's JSON: one entry per row, with the conditions of the timing (`timing`, from
+    `measure_speed`)."""
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     out_rows = []
     for row in rows:
@@ -280,8 +318,10 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, device: str) -> dict:
                                            / reference.speed[f"examples_per_second_{key}"])
         out_rows.append(entry)
     data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
+    device = timing["device"]
     return {"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
-            "threads": threads, "eval_batch_size": cfg.eval.batch_size,
+            "threads": threads, "flush_denormal": timing["flush_denormal"],
+            "eval_batch_size": cfg.eval.batch_size,
             "memory": "CUDA max allocated" if device.startswith("cuda")
             else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)", "rows": out_rows}
 
@@ -305,8 +345,9 @@ def markdown(result: dict) -> str:
                  fmt(r["tokens_per_call"], 2),
                  fmt(r["peak_memory_mb"], 1)]
         lines.append("| " + " | ".join(cells) + " |")
+    flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
     caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
-               f"{result['threads']} threads, eval batch {result['eval_batch_size']}; "
+               f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
                f"memory = {result['memory']}")
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
@@ -386,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = decode_device(cfgs[0])  # the rows differ in decoder options only, not in trainer settings
 
     comparison_id = uuid.uuid4().hex[:12]
     tags = {"comparison_id": comparison_id, "role": "row"}
@@ -416,14 +458,15 @@ def main(argv: list[str] | None = None) -> dict:
         row.telemetry = dict(row.module.test_scores)
         rows.append(row)
 
-    measure_speed(rows, cfgs[0].eval.batch_size, args.repeats, args.speed_examples)
-    device = str(next(rows[0].module.parameters()).device)
-    result = report(rows, cfgs[0], torch.get_num_threads(), device)
+    timing = measure_speed(rows, device, cfgs[0].eval.batch_size, args.repeats, args.speed_examples)
+    result = report(rows, cfgs[0], torch.get_num_threads(), timing)
+    conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
     for row, entry in zip(rows, result["rows"]):
         metrics = {f"test/{k}": entry[k] for k in ("examples_per_second_bs1", "examples_per_second_batch",
                                                    "speedup_bs1", "speedup_batch", "peak_memory_mb")
                    if entry[k] is not None}
         row.logger.log_metrics(metrics)
+        row.logger.log_hyperparams({f"speed.{key}": value for key, value in conditions.items()})
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -433,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     images = plots(rows, result, out.with_suffix(""))
     summary = open_tracking(cfgs[0], f"comparison {comparison_id}",
                             tags={"comparison_id": comparison_id, "role": "summary"})
+    summary.log_hyperparams(conditions)
     for path in [out, out.with_suffix(".md"), *images]:
         summary.experiment.log_artifact(summary.run_id, str(path))
     summary.finalize("success")

@@ -18,25 +18,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from tqdm.auto import tqdm
 
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
 from tasks.module import write_jsonl
-from tasks.run import base_parser, load_checkpoint, log, main_guard
+from tasks.run import base_parser, decode_device, load_checkpoint, log, main_guard
 from tasks.test import checkpoint_config, restore
 
 
-def distilled_records(built) -> list[dict]:
-    """The training records, in order, with their targets replaced by the model's decoded outputs."""
+def distilled_records(built, device: torch.device) -> list[dict]:
+    """The training records, in order, with their targets replaced by the model's outputs decoded
+    on `device` (no trainer here moves the module or the batches)."""
     datamodule, module = built.datamodule, built.module
+    module.to(device)
     module.eval()
     field = schema_for(module.cfg.task.name).target_field
     outputs: dict[int, list[str]] = {}
     with torch.no_grad():
         for batch in tqdm(datamodule.ordered_loader("train"), desc="decoding the training split"):
-            for index, prediction in zip(batch["index"].tolist(), module.decode_batch(batch)):
-                outputs[index] = prediction
+            predictions = module.decode_batch(move_data_to_device(batch, device))
+            outputs.update(zip(batch["index"].tolist(), predictions))
     return [{**record, field: outputs[i]} for i, record in enumerate(datamodule.records("train"))]
 
 
@@ -54,8 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(to_yaml(cfg))
         return {}
 
+    device = decode_device(cfg)  # before any data or model work: an unavailable one fails here
     built = restore(checkpoint, args.ckpt, cfg)
-    train = distilled_records(built)
+    train = distilled_records(built, device)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(train, out / "train.jsonl")
     for split in ("validation", "test"):

@@ -31,13 +31,14 @@ def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor):
     """(DecodeOutput, seconds) of one `generate` call: encoder + decoder calls only; on a GPU the
     queued work is waited for on both sides so the time is the decode's own."""
-    cuda = input_ids.device.type == "cuda"
+    device = input_ids.device
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # the inputs' GPU, which need not be the current one
     start = time.perf_counter()
     out = decoder.generate(model, input_ids, attention_mask)
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     return out, time.perf_counter() - start
 
 

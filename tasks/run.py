@@ -14,10 +14,12 @@ from typing import Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
 from datamodules.datamodule import SubsequenceDataModule
@@ -108,6 +110,22 @@ def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> 
                      callbacks=list(callbacks), enable_autolog_hparams=False,
                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                      use_distributed_sampler=False, plugins=[AtomicCheckpointIO()])
+
+
+def decode_device(cfg: DictConfig) -> torch.device:
+    """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
+    first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
+    timing, tasks.distill) decode. Lightning's test teardown moves the module back to the CPU, so
+    they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
+    its checks; an accelerator that is not available is a ConfigError here, before any work."""
+    try:
+        return make_trainer(cfg, None).strategy.root_device
+    except (MisconfigurationException, ValueError, TypeError, ImportError) as err:
+        available = sorted(name for name in AcceleratorRegistry.available_accelerators()
+                           if AcceleratorRegistry[name]["accelerator"].is_available())
+        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator!r} with trainer.devices="
+                          f"{cfg.trainer.devices!r} cannot run here: {err} (accelerators available "
+                          f"here: auto, {', '.join(available)})") from err
 
 
 def run_folder(cfg: DictConfig, run_id: str) -> Path:

@@ -1,0 +1,146 @@
+"""Decoding outside a trainer (tasks.compare's timing, tasks.distill) runs on the configured device,
+which the results record; CPU timing flushes denormal floats.
+
+No GPU is needed: `meta`, a device other than the CPU, stands in for the resolved accelerator, and a
+recording `timed_generate` notes where each decode's model and inputs are."""
+import json
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+import tasks.module
+from tasks import compare, distill
+from tasks.config import ConfigError, compose
+from tasks.run import Trained, build, decode_device, make_trainer, open_tracking, score_into_run
+from tests.test_end_to_end import TINY, tracking
+
+META = torch.device("meta")
+GPU_LIKE_AVAILABLE = torch.cuda.is_available() or torch.backends.mps.is_available()
+
+
+def flushing() -> bool:
+    """Whether a result in the denormal range is flushed to zero now (on this thread)."""
+    return bool((torch.tensor([1.0e-30]) * 1.0e-10 == 0).item())
+
+
+class RecordedDecodes:
+    """A `timed_generate` that records where the model's parameters and the inputs are and whether
+    denormals are flushed; it decodes for real on the CPU, and nothing on `meta` (no data there)."""
+
+    def __init__(self):
+        self.real = tasks.module.timed_generate
+        self.seen: list[tuple] = []
+
+    def __call__(self, decoder, model, input_ids, attention_mask):
+        self.seen.append((next(model.parameters()).device, input_ids.device, attention_mask.device,
+                          flushing()))
+        if input_ids.device == META:
+            return None, 0.001
+        return self.real(decoder, model, input_ids, attention_mask)
+
+
+def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
+    """`tasks.compare.main` for one sequential row whose random-init model is tested by a Lightning
+    trainer, as a trained one would be, instead of trained: the timing starts after the test's
+    teardown, which leaves the module on the CPU."""
+    def tested_untrained(cfg, tags=None):
+        built = build(cfg)
+        logger = open_tracking(cfg, "untrained", tags=tags)
+        score_into_run(logger, cfg, built)
+        return Trained(built, logger, "", built.module.test_scores)
+
+    decodes = RecordedDecodes()
+    monkeypatch.setattr(compare, "train_and_test", tested_untrained)
+    monkeypatch.setattr(compare, "timed_generate", decodes)
+    result = compare.main(["--decoders", "sequential", "--out", str(tmp_path / "cmp.json"),
+                           "--repeats", "1", "--speed-examples", "2", *TINY, *tracking(tmp_path)])
+    return result, decodes
+
+
+def summary_and_row_params(tmp_path, result) -> tuple[dict, dict]:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    row = client.get_run(result["rows"][0]["mlflow_run_id"])
+    comparison = row.data.tags["comparison_id"]
+    [summary] = client.search_runs([row.info.experiment_id], filter_string=
+                                   f"tags.comparison_id = '{comparison}' and tags.role = 'summary'")
+    return summary.data.params, row.data.params
+
+
+def test_compare_times_on_the_resolved_device_and_reports_it(tmp_path, monkeypatch):
+    # raising=False: code that never resolves a device must fail on the assertions, not here
+    monkeypatch.setattr(compare, "decode_device", lambda cfg: META, raising=False)
+    result, decodes = untrained_comparison(tmp_path, monkeypatch)
+
+    assert decodes.seen and all(seen[:3] == (META, META, META) for seen in decodes.seen)
+    assert result["device"] == "meta"
+    assert result["flush_denormal"] is False  # not a CPU: nothing to flush
+    assert json.loads((tmp_path / "cmp.json").read_text())["device"] == "meta"
+    assert ", meta, " in (tmp_path / "cmp.md").read_text().splitlines()[0]
+    summary, row = summary_and_row_params(tmp_path, result)
+    assert summary["device"] == "meta" and summary["flush_denormal"] == "False"
+    assert row["speed.device"] == "meta"
+
+
+def test_compare_flushes_denormals_while_timing_on_a_cpu(tmp_path, monkeypatch):
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    result, decodes = untrained_comparison(tmp_path, monkeypatch)
+
+    cpu = torch.device("cpu")
+    assert decodes.seen and all(seen == (cpu, cpu, cpu, True) for seen in decodes.seen)
+    assert not flushing()  # the previous mode is back
+    assert result["device"] == "cpu" and result["flush_denormal"] is True
+    assert "denormals flushed to zero" in (tmp_path / "cmp.md").read_text().splitlines()[0]
+    summary, row = summary_and_row_params(tmp_path, result)
+    assert summary["flush_denormal"] == "True" and row["speed.flush_denormal"] == "True"
+    assert summary["device"] == "cpu"
+
+
+class FirstDecode(Exception):
+    """Stops tasks.distill at its first decode: where that runs is all the test needs."""
+
+
+def test_distill_decodes_on_the_resolved_device(tmp_path, monkeypatch):
+    cfg = compose("keyphrase", "sequential", None, [*TINY, *tracking(tmp_path)])
+    built = build(cfg)
+    trainer = make_trainer(cfg, None)
+    trainer.test(built.module, datamodule=built.datamodule, verbose=False)
+    teacher = tmp_path / "teacher.ckpt"
+    trainer.save_checkpoint(teacher)
+
+    seen = []
+
+    def recording(decoder, model, input_ids, attention_mask):
+        seen.append((next(model.parameters()).device, input_ids.device, attention_mask.device))
+        raise FirstDecode
+
+    monkeypatch.setattr(tasks.module, "timed_generate", recording)
+    monkeypatch.setattr(distill, "decode_device", lambda cfg: META, raising=False)
+    with pytest.raises(FirstDecode):
+        distill.main(["--ckpt", str(teacher), "--out", str(tmp_path / "distilled"), *tracking(tmp_path)])
+    assert seen == [(META, META, META)]
+
+
+def test_decode_device_follows_the_trainer_settings():
+    default = compose("keyphrase", "sequential", None, [])  # trainer.accelerator=auto
+    expected = "cuda:0" if torch.cuda.is_available() else "mps:0" if torch.backends.mps.is_available() \
+        else "cpu"
+    assert str(decode_device(default)) == expected
+    assert decode_device(compose("keyphrase", "sequential", None, ["trainer.accelerator=cpu"])) \
+        == torch.device("cpu")
+
+
+@pytest.mark.skipif(GPU_LIKE_AVAILABLE, reason="needs a machine without CUDA and MPS")
+def test_an_unavailable_accelerator_is_refused_before_any_work(monkeypatch):
+    cfg = compose("keyphrase", "sequential", None, ["trainer.accelerator=gpu"])
+    with pytest.raises(ConfigError, match=r"trainer.accelerator='gpu' with trainer.devices=1 cannot "
+                                          r"run here: .*accelerators available here: auto, cpu\)"):
+        decode_device(cfg)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although the accelerator is unavailable")
+
+    monkeypatch.setattr(compare, "train_and_test", no_training)
+    with pytest.raises(ConfigError, match="trainer.accelerator='cuda'"):
+        compare.main(["--decoders", "sequential", "trainer.accelerator=cuda"])
