@@ -120,6 +120,12 @@ def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> to
     return model.lm_head(hidden)
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32 if it is in a narrower float type (bf16/fp16 under mixed precision), so
+    that log-softmax and cross-entropy sums do not lose precision; float64 stays float64."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def pad_batch(rows: list[list[int]], pad_value: int) -> torch.Tensor:
     """Right-pad integer rows to one `(len(rows), longest)` long tensor."""
     width = max((len(r) for r in rows), default=0)
@@ -159,9 +165,13 @@ def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
 
 
 # ---- running T5's decoder blocks with a custom self-attention structure --------------------------
-# T5 adds `position_bias` to the attention scores of every layer, so one precomputed
-# (B, heads, queries, keys) tensor = relative-position bias + visibility mask (a large negative value
-# where hidden) gives a decoder any attention structure, through the backbone's own weights.
+# T5 adds both `position_bias` and `attention_mask` to the attention scores of every layer, so one
+# precomputed (B, heads, queries, keys) tensor = relative-position bias + visibility mask (a large
+# negative value where hidden) gives a decoder any attention structure, through the backbone's own
+# weights, under eager and sdpa attention alike (see `run_decoder` for why it goes in as the mask).
+
+# Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
+STRUCTURED_ATTENTION = ("eager", "sdpa")
 
 def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor) -> torch.Tensor:
     """T5's decoder position bias for `distance` = how far each key lies in the past of each query.
@@ -193,14 +203,23 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
     ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
     """
+    implementation = model.config._attn_implementation
+    if implementation not in STRUCTURED_ATTENTION:
+        raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
+                         f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
     decoder = model.decoder
     cross_mask = hidden_mask(encoder_mask[:, None, :].bool(), encoder_states.dtype)  # (B, 1, 1, S)
     embedded = decoder.embed_tokens(input_ids)
     if position_embeddings is not None:
         embedded = embedded + position_embeddings
     hidden = decoder.dropout(embedded)
+    # The structure goes in as the self-attention *mask*, never as a None mask: under sdpa a decoder
+    # self-attention without a mask is run as causal (cached keys beyond the query count are even
+    # cropped), which would silently replace the structure. `position_bias` must not be None
+    # either, or layer 0 adds T5's own 1-D relative bias; a broadcast zero adds nothing.
+    no_extra_bias = self_bias.new_zeros((1, 1, 1, 1))
     for block in decoder.block:
-        hidden = block(hidden, attention_mask=None, position_bias=self_bias,
+        hidden = block(hidden, attention_mask=self_bias, position_bias=no_extra_bias,
                        encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
                        past_key_values=cache)[0]
     return decoder.dropout(decoder.final_layer_norm(hidden))

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, drop_finished_rows, encode,
-                           hidden_mask, new_cache, output_logits, relative_position_bias,
+from decoders.base import (DecodeOutput, Decoder, SpecialTokens, at_least_float32,
+                           drop_finished_rows, encode, hidden_mask, new_cache, output_logits, relative_position_bias,
                            run_decoder, split_on)
 from decoders.sequential import SequentialDecoder
 
@@ -237,7 +237,7 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy ignoring -100; 0 (still connected to the graph) when nothing is
     scored, e.g. a head shifted past every target of a batch of short targets."""
     flat = labels.reshape(-1)
-    summed = F.cross_entropy(logits.reshape(flat.numel(), -1).float(), flat, ignore_index=-100,
+    summed = F.cross_entropy(at_least_float32(logits.reshape(flat.numel(), -1)), flat, ignore_index=-100,
                              reduction="sum")
     return summed / (flat != -100).sum().clamp(min=1)
 

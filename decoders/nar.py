@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, encode, hidden_mask, output_logits,
-                           pad_batch, run_decoder, split_on)
+from decoders.base import (DecodeOutput, Decoder, SpecialTokens, at_least_float32, encode,
+                           hidden_mask, output_logits, pad_batch, run_decoder, split_on)
 from decoders.sequential import join_subsequences
 
 
@@ -216,7 +216,7 @@ class MaskPredictDecoder(Decoder):
     def _predict(self, model, decoder_input, bias, encoder_states, encoder_mask):
         """One decoder call -> (argmax tokens, their log-probabilities), both (N, W)."""
         hidden = self.decoder_hidden(model, decoder_input, bias, encoder_states, encoder_mask)
-        log_probs = output_logits(model, hidden).float().log_softmax(-1)     # (N, W, V)
+        log_probs = at_least_float32(output_logits(model, hidden)).log_softmax(-1)     # (N, W, V)
         # The mask token is never a label, so predicting it means nothing (and it would be
         # stripped from the text anyway): exclude it from the argmax.
         log_probs[..., self.special.mask] = float("-inf")

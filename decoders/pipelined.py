@@ -54,8 +54,8 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
     qi, qj = query.subsequence[:, :, None], query.offset[:, :, None]   # (B, Q, 1)
     ki, kj = key.subsequence[:, None, :], key.offset[:, None, :]       # (B, 1, K)
     visible = key.valid[:, None, :] & (ki <= qi) & (ki * delay + kj <= qi * delay + qj)
+    # no clamp: a table too short for some distance must fail, not bias it as a nearer one
     distance = (qi - ki).abs() + (qj - kj).abs()
-    distance = distance.clamp(max=bias_table.size(0) - 1)
     bias = bias_table[distance].permute(0, 3, 1, 2)                    # (B, heads, Q, K)
     return bias + hidden_mask(visible, bias.dtype)
 
@@ -114,7 +114,9 @@ class PipelinedDecoder(Decoder):
     def teacher_forced_logits(self, model, input_ids, attention_mask, layout) -> torch.Tensor:
         """(B, N, vocab) logits of the whole layout in one uncached pass (training forward)."""
         grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
-        longest = int((grid.subsequence + grid.offset).max()) + 1
+        # A visible pair can lie max(i) + max(j) apart: the terminator (m, 0) sees offset max(j)
+        # of subsequence 0. The table must reach that far, as decoding's does.
+        longest = int(grid.subsequence.max() + grid.offset.max())
         bias = attention_bias(distance_bias_table(model, longest), self.delay, grid, grid)
         encoder_states = encode(model, input_ids, attention_mask)
         hidden = run_decoder(model, grid.tokens, bias, encoder_states, attention_mask)
@@ -142,7 +144,7 @@ class PipelinedDecoder(Decoder):
         batch_size = input_ids.size(0)
         slots = self.max_subsequences
         length = self.max_subsequence_length
-        table = distance_bias_table(model, slots + length + 1)
+        table = distance_bias_table(model, (slots - 1) + length)   # max(i) + max(j), as in training
         encoder_states = encode(model, input_ids, attention_mask)
         cache = new_cache() if use_cache else None
 
@@ -155,6 +157,7 @@ class PipelinedDecoder(Decoder):
         produced = torch.zeros((batch_size, slots, length), dtype=torch.long, device=device)
         produced_length = torch.zeros((batch_size, slots), dtype=torch.long, device=device)
         hit_bound = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        terminated = torch.zeros(batch_size, dtype=torch.bool, device=device)  # emitted the empty one
         calls = torch.zeros(batch_size, dtype=torch.long, device=device)
         tokens_out = torch.zeros(batch_size, dtype=torch.long, device=device)
         slot_index = torch.arange(slots, device=device)
@@ -211,6 +214,7 @@ class PipelinedDecoder(Decoder):
             hit_bound[rows[live[too_long]]] = True
             empty = ended & (j == 0)
             stopped[live[empty]] = True
+            terminated[rows[live[empty]]] = True
             next_token[live, slot] = token
             offset[live, slot] = j + 1
 
@@ -228,6 +232,9 @@ class PipelinedDecoder(Decoder):
                 keys = Grid(*key_fields)
         else:
             hit_bound[rows] = True   # max_steps reached with work left
+        # An example that used all `max_subsequences` slots never emitted its empty terminator: it
+        # was cut by that bound as surely as by `max_steps`.
+        hit_bound |= ~terminated
 
         output = DecodeOutput(
             subsequences=[self._subsequences(tokens, lengths)

@@ -171,8 +171,9 @@ class GenerationTask(L.LightningModule):
             self.telemetry = DecodeTelemetry.merged(parts)
         scores = {**self.quality_scores, **self.telemetry.summary()}
         if scores["max_steps_hit"]:
-            log.warning("%s: %d of %d examples reached the decoder's step bound; their outputs may "
-                        "be cut (see the decoder's max_steps / max_length options)", split,
+            log.warning("%s: %d of %d examples reached one of the decoder's length or step bounds "
+                        "before ending by themselves; their outputs may be cut (see the decoder's "
+                        "max_* options)", split,
                         int(scores["max_steps_hit"]), len(self.telemetry.rows))
         # The values are already whole-split ones, equal on every process: reducing them with
         # "max" keeps them exact (and stops Lightning advising to reduce epoch-level values).

@@ -1,5 +1,6 @@
 """`tasks.fit` and `tasks.test` end to end on a few dozen built-in examples, checked through MLflow."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,20 @@ def test_every_decoder_fits_and_decodes_every_task(task, decoder, tmp_path):
     assert QUALITY[task] in result["scores"] and result["scores"]["examples_per_second"] > 0
     if decoder == "nar":  # one decoder call per Mask-Predict iteration, whatever the output length
         assert result["scores"]["decoder_calls_per_example"] == 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decoder", ["sequential", "pipelined", "blockwise", "nar"])
+def test_bf16_mixed_precision_trains_and_decodes_every_decoder(decoder, tmp_path):
+    """`trainer.precision=bf16-mixed` on a CPU (autocast to bfloat16): every logged training loss
+    and every score is finite, and the test split is decoded."""
+    result = fit.main(["--task", "keyphrase", "--decoder", decoder, "trainer.precision=bf16-mixed",
+                       *TINY, *tracking(tmp_path)])
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    losses = [m.value for m in client.get_metric_history(result["run_id"], "train/loss")]
+    assert losses and all(math.isfinite(v) for v in losses)
+    assert all(math.isfinite(v) for v in result["scores"].values())
+    assert client.get_run(result["run_id"]).data.params["trainer.precision"] == "bf16-mixed"
 
 
 def run_artifact_rows(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:

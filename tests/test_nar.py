@@ -11,8 +11,10 @@ from decoders import build_decoder
 from decoders.base import encode, hidden_mask, output_logits, relative_position_bias, run_decoder
 from tasks.config import compose
 from transformers import T5Config
-from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained, random_batch,
-                            tiny_t5)
+from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
+                            first_batch_where, random_batch, tiny_t5)
+
+pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
 
 
 def make(model, seed=0, **options):
@@ -33,10 +35,12 @@ def test_decoder_calls_equal_iterations_whatever_the_length(iterations, candidat
         calls.append(decoder_input.shape)  # (rows, width) of each real decoder pass
         return real_pass(model, decoder_input, *args)
 
+    def varied(input_ids, attention_mask):
+        """different predicted output lengths (else vacuous)"""
+        return len(set(decoder.generate(model, input_ids, attention_mask).tokens)) >= 2
+    input_ids, attention_mask = first_batch_where(varied, 6, seed=10)
     decoder.decoder_hidden = counting_pass
-    input_ids, attention_mask = random_batch(6, seed=10)
     out = decoder.generate(model, input_ids, attention_mask)
-    assert len(set(out.tokens)) >= 2, "fixture should predict different lengths (else vacuous)"
     assert len(calls) == iterations == out.batch_decoder_calls
     assert all(rows == 6 * candidates for rows, _ in calls)  # all candidates in one batched call
     assert out.decoder_calls == [iterations] * 6
@@ -158,10 +162,12 @@ def test_training_mask_is_uniform_in_count_and_stays_inside_the_target():
 def test_batch_equals_one_at_a_time(candidates):
     model = tiny_t5(1)
     decoder = make(model, iterations=3, length_candidates=candidates, max_length=12)
-    input_ids, attention_mask = random_batch(5, seed=3)
-    assert len(set(attention_mask.sum(1).tolist())) >= 3        # different source lengths
-    batched = assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
-    assert len(set(batched.tokens)) >= 2                         # and different output lengths
+    def varied(input_ids, attention_mask):
+        """different source lengths and different output lengths"""
+        return (len(set(attention_mask.sum(1).tolist())) >= 3
+                and len(set(decoder.generate(model, input_ids, attention_mask).tokens)) >= 2)
+    input_ids, attention_mask = first_batch_where(varied, 5, seed=3)
+    assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
 
 # -- 5. bidirectional attention ----------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Custom decoder attention structures hold under every attention implementation the backbone may
+be loaded with: eager, and sdpa (transformers' default, which marks T5's decoder self-attention
+causal and would silently override a structure it is not given as a mask)."""
+import copy
+import inspect
+
+import pytest
+import torch
+
+from decoders import available, build_decoder, decoder_class
+from decoders.base import encode, hidden_mask, new_cache, run_decoder
+from tests.conftest import SPECIAL, random_batch, tiny_t5
+
+pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
+
+
+def under(model, implementation: str):
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+def test_run_decoder_follows_the_given_structure_under_sdpa():
+    """A cached call with several queries and a structure that is not causal (each query sees every
+    other key): sdpa must give eager's hidden states. By construction this structure differs from
+    the causal one sdpa falls back to, and the cache holds more keys than there are queries."""
+    eager = tiny_t5(0)
+    sdpa = under(eager, "sdpa")
+    input_ids, attention_mask = random_batch(2, seed=3)
+    g = torch.Generator().manual_seed(0)
+    past, new = torch.randint(5, 60, (2, 3), generator=g), torch.randint(5, 60, (2, 4), generator=g)
+    visible = torch.ones(2, 4, 7, dtype=torch.bool)
+    visible[:, :, 1::2] = False                                     # every other key hidden
+    visible[:, :, 0] = True
+    relative = torch.randn(2, 4, 4, 7, generator=g)                 # (B, heads, Q, K)
+    outputs = []
+    for model in (eager, sdpa):
+        states = encode(model, input_ids, attention_mask)
+        cache = new_cache()
+        run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache)
+        bias = relative + hidden_mask(visible, relative.dtype)
+        outputs.append(run_decoder(model, new, bias, states, attention_mask, cache))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_decoder_decodes_the_same_under_eager_and_sdpa(name):
+    eager = tiny_t5(1)
+    # every length/step bound at 10: enough for several subsequences, quick on a random model
+    bounds = {key: 10 for key in inspect.signature(decoder_class(name)).parameters
+              if key.startswith("max_")}
+    decoder = build_decoder(name, eager.config, SPECIAL, **bounds)
+    input_ids, attention_mask = random_batch(6, seed=8)
+    reference = decoder.generate(eager, input_ids, attention_mask)
+    out = decoder.generate(under(eager, "sdpa"), input_ids, attention_mask)
+    assert out.subsequences == reference.subsequences
+    assert out.decoder_calls == reference.decoder_calls
+    assert out.tokens == reference.tokens
+
+
+def test_other_implementations_fail_clearly():
+    model = tiny_t5(0)
+    model.config._attn_implementation = "flash_attention_2"
+    input_ids, attention_mask = random_batch(1, seed=3)
+    with pytest.raises(ValueError, match="attn_implementation in \\('eager', 'sdpa'\\).*'flash_attention_2'"):
+        run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3])
