@@ -155,6 +155,18 @@ def new_cache() -> EncoderDecoderCache:
     return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
 
+# Fill value of per-position output buffers where no token was produced (every token id is >= 0).
+NOT_PRODUCED = -1
+
+
+def split_flat_output(tokens: list[int], special: SpecialTokens) -> tuple[list[list[int]], bool]:
+    """A flat-layout output (s_1 <sep> s_2 ... </s>) -> (its subsequences up to the first end token,
+    whether it had one). Without an end token the output was cut by a bound."""
+    if special.eos in tokens:
+        return split_on(tokens[: tokens.index(special.eos)], special.sep), True
+    return split_on(tokens, special.sep), False
+
+
 def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
                        *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Keep only batch rows `keep` (1-D long) in the cache and in each tensor, so that finished
@@ -162,6 +174,43 @@ def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
     if cache is not None:
         cache.batch_select_indices(keep)
     return tuple(t[keep] for t in row_tensors)
+
+
+class LiveRows:
+    """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
+
+    On a GPU every read of a device value (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, boolean
+    masks) stalls the queue, so a decoding loop keeps its bookkeeping in tensors, written through
+    `index` (each live row's original position: tensor indexing, no sync), and reads back once per
+    call, here: which rows finished (plus, optionally, one small tensor the loop needs on the host
+    for the next call's shapes). Finished rows leave the batch and the cache, so they cost nothing
+    in later calls. Results are read back once, at the end.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.index = torch.arange(batch_size, device=device)   # (live,) original row of each live row
+        self.values: list[int] = []                            # the `also` read back, for kept rows
+
+    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
+                      *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
+        """Read back `finished` (live,) bool, with `also` (live,) ints if given, in ONE transfer;
+        drop the finished rows from `index`, the cache and every tensor of `row_tensors` (each
+        (live, ...)). Returns the kept tensors, or None when no row is left."""
+        flags = finished.long() if also is None else torch.stack([finished.long(), also.long()])
+        read = flags.tolist()                                   # the sync point of this call
+        done, values = (read, None) if also is None else read
+        if all(done):
+            return None
+        if any(done):
+            kept = [row for row, d in enumerate(done) if not d]
+            keep = torch.tensor(kept, device=finished.device)   # host -> device: no wait
+            self.index = self.index[keep]
+            if cache is not None:
+                cache.batch_select_indices(keep)
+            row_tensors = tuple(t[keep] for t in row_tensors)
+            values = None if values is None else [values[row] for row in kept]
+        self.values = values or []
+        return row_tensors
 
 
 # ---- running T5's decoder blocks with a custom self-attention structure --------------------------
@@ -173,17 +222,27 @@ def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
 # Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
 STRUCTURED_ATTENTION = ("eager", "sdpa")
 
-def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor) -> torch.Tensor:
-    """T5's decoder position bias for `distance` = how far each key lies in the past of each query.
+def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor,
+                           bidirectional: bool = False) -> torch.Tensor:
+    """T5's decoder position bias for `distance` = how far each key lies in the past of each query
+    (negative: in the future, which only `bidirectional` bucketing tells apart).
 
-    distance: (B, queries, keys) non-negative ints -> (B, heads, queries, keys). Uses T5's own
-    unidirectional bucketing and the first decoder layer's bias table (only layer 0 owns one).
+    distance: (B, queries, keys) ints -> (B, heads, queries, keys). Uses T5's own bucketing and the
+    first decoder layer's bias table (only layer 0 owns one).
     """
     attention = model.decoder.block[0].layer[0].SelfAttention
     buckets = attention._relative_position_bucket(
-        -distance, bidirectional=False, num_buckets=attention.relative_attention_num_buckets,
+        -distance, bidirectional=bidirectional, num_buckets=attention.relative_attention_num_buckets,
         max_distance=attention.relative_attention_max_distance)
     return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+
+
+def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) -> torch.Tensor:
+    """(longest + 1, heads) T5 decoder bias of past distances 0..longest. Computed once per
+    `generate` (T5's bucketing takes logarithms), so that each decoder call only gathers from it:
+    `table[distance].permute(0, 3, 1, 2)` is `relative_position_bias(model, distance)`."""
+    distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
+    return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
 
 
 def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

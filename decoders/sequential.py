@@ -8,15 +8,18 @@ Loss:   token cross-entropy of T5's own forward.
 Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per token, until `</s>` or
         `max_new_tokens`. It yields exactly the tokens of transformers' `generate(do_sample=False,
         num_beams=1)` on the same model; finished rows are dropped from the batch (and the cache) so
-        they cost nothing more.
+        they cost nothing more. The decoder blocks run through `run_decoder` with T5's causal bias
+        gathered from a table made once, not through `T5Stack.forward`, whose mask building reads a
+        device value back every call: one host sync per call is left, the stop check.
 """
 from __future__ import annotations
 
 import torch
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, drop_finished_rows, encode,
-                           new_cache, output_logits, pad_batch, split_on)
+from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, SpecialTokens, encode,
+                           new_cache, output_logits, pad_batch, past_distance_bias_table,
+                           run_decoder, split_flat_output)
 
 
 def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list[int]:
@@ -51,37 +54,35 @@ class SequentialDecoder(Decoder):
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        batch_size = input_ids.size(0)
+        batch_size, device, bound = input_ids.size(0), input_ids.device, self.max_new_tokens
         encoder_states = encode(model, input_ids, attention_mask)
+        # T5's causal bias, computed once: the query of step t sees keys 0..t, which lie t..0 steps
+        # in its past, i.e. the last t + 1 columns of `past` (distances bound-1 .. 0).
+        past = past_distance_bias_table(model, bound - 1).flip(0).T[None, :, None]  # (1, heads, 1, bound)
         cache = new_cache()
-        rows = torch.arange(batch_size, device=input_ids.device)  # original index of each live row
-        step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long,
-                                device=input_ids.device)
-        produced: list[list[int]] = [[] for _ in range(batch_size)]
-        batch_calls = 0
-        for _ in range(self.max_new_tokens):
-            hidden = model.decoder(input_ids=step_input, encoder_hidden_states=encoder_states,
-                                   encoder_attention_mask=attention_mask, past_key_values=cache,
-                                   use_cache=True).last_hidden_state
-            batch_calls += 1
-            next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)  # (live rows,)
-            for row, token in zip(rows.tolist(), next_tokens.tolist()):
-                produced[row].append(token)
-            finished = next_tokens == self.special.eos
-            if finished.all():
+        rows = LiveRows(batch_size, device)
+        produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+        step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
+        for step in range(bound):
+            hidden = run_decoder(model, step_input, past[..., bound - 1 - step:], encoder_states,
+                                 attention_mask, cache)                    # (live, 1, d_model)
+            next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
+            produced[rows.index, step] = next_tokens
+            if step + 1 == bound:
                 break
-            if finished.any():
-                keep = (~finished).nonzero().squeeze(1)
-                encoder_states, attention_mask, rows, next_tokens = drop_finished_rows(
-                    cache, keep, encoder_states, attention_mask, rows, next_tokens)
+            kept = rows.drop_finished(next_tokens == self.special.eos, cache, encoder_states,
+                                      attention_mask, next_tokens)
+            if kept is None:
+                break
+            encoder_states, attention_mask, next_tokens = kept
             step_input = next_tokens[:, None]
 
-        ended = [bool(p) and p[-1] == self.special.eos for p in produced]
+        outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once
+        split = [split_flat_output(tokens, self.special) for tokens in outputs]
         return DecodeOutput(
-            subsequences=[split_on(p[:-1] if end else p, self.special.sep)
-                          for p, end in zip(produced, ended)],
-            decoder_calls=[len(p) for p in produced],
-            tokens=[len(p) for p in produced],
-            hit_max_steps=[not end for end in ended],
-            batch_decoder_calls=batch_calls,
+            subsequences=[subsequences for subsequences, _ in split],
+            decoder_calls=[len(tokens) for tokens in outputs],
+            tokens=[len(tokens) for tokens in outputs],
+            hit_max_steps=[not ended for _, ended in split],
+            batch_decoder_calls=step + 1,
         )
