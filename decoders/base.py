@@ -176,6 +176,25 @@ def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
     return tuple(t[keep] for t in row_tensors)
 
 
+def read_back(*tensors: torch.Tensor) -> list[list]:
+    """Every tensor's values as (nested) lists, in ONE device -> host transfer (one sync point):
+    a decode's results are read back once, at the end."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(_nested(flat[start:start + t.numel()], list(t.shape)))
+        start += t.numel()
+    return out
+
+
+def _nested(flat: list, shape: list[int]) -> list:
+    """A flat list in row-major order as nested lists of `shape` (on the host, no tensor)."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
 class LiveRows:
     """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, drop_finished_rows, encode,
-                           hidden_mask, new_cache, output_logits, pad_batch, relative_position_bias,
-                           run_decoder)
+from decoders.base import (DecodeOutput, Decoder, LiveRows, SpecialTokens, encode, hidden_mask,
+                           new_cache, output_logits, pad_batch, past_distance_bias_table,
+                           read_back, run_decoder)
 
 # slot states in decoding
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -49,7 +49,7 @@ class Grid:
 def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid) -> torch.Tensor:
     """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility.
 
-    `bias_table[d]` is the (heads,) bias of past-distance d (see `distance_bias_table`).
+    `bias_table[d]` is the (heads,) bias of past-distance d (`base.past_distance_bias_table`).
     """
     qi, qj = query.subsequence[:, :, None], query.offset[:, :, None]   # (B, Q, 1)
     ki, kj = key.subsequence[:, None, :], key.offset[:, None, :]       # (B, 1, K)
@@ -58,13 +58,6 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
     distance = (qi - ki).abs() + (qj - kj).abs()
     bias = bias_table[distance].permute(0, 3, 1, 2)                    # (B, heads, Q, K)
     return bias + hidden_mask(visible, bias.dtype)
-
-
-def distance_bias_table(model, longest: int) -> torch.Tensor:
-    """(longest + 1, heads) T5 decoder bias for past distances 0..longest, computed once per call of
-    `generate`/`loss` so that each decoding step only gathers from it."""
-    distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
-    return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
 
 
 @register("pipelined")
@@ -117,7 +110,7 @@ class PipelinedDecoder(Decoder):
         # A visible pair can lie max(i) + max(j) apart: the terminator (m, 0) sees offset max(j)
         # of subsequence 0. The table must reach that far, as decoding's does.
         longest = int(grid.subsequence.max() + grid.offset.max())
-        bias = attention_bias(distance_bias_table(model, longest), self.delay, grid, grid)
+        bias = attention_bias(past_distance_bias_table(model, longest), self.delay, grid, grid)
         encoder_states = encode(model, input_ids, attention_mask)
         hidden = run_decoder(model, grid.tokens, bias, encoder_states, attention_mask)
         return output_logits(model, hidden)
@@ -139,44 +132,52 @@ class PipelinedDecoder(Decoder):
 
         `use_cache=False` recomputes every step from all tokens fed so far; it exists so tests can
         check the cached path against a plain recomputation.
+
+        Host syncs: one per decoder call (`LiveRows.drop_finished` reads back which examples
+        finished together with each one's running count for the next call, which sets that call's
+        width and which columns need vocabulary logits); all other bookkeeping is tensor ops on
+        per-slot state, and the results are read back once, at the end.
         """
-        device = input_ids.device
-        batch_size = input_ids.size(0)
-        slots = self.max_subsequences
-        length = self.max_subsequence_length
-        table = distance_bias_table(model, (slots - 1) + length)   # max(i) + max(j), as in training
+        device, batch_size, delay = input_ids.device, input_ids.size(0), self.delay
+        slots, length = self.max_subsequences, self.max_subsequence_length
+        table = past_distance_bias_table(model, (slots - 1) + length)   # max(i) + max(j), as in training
         encoder_states = encode(model, input_ids, attention_mask)
         cache = new_cache() if use_cache else None
 
-        rows = torch.arange(batch_size, device=device)       # original index of each live example
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        rows = LiveRows(batch_size, device)
+        # per live example and slot (subsequence i = slot i)
         state = torch.full((batch_size, slots), WAITING, dtype=torch.long, device=device)
-        offset = torch.zeros((batch_size, slots), dtype=torch.long, device=device)
+        offset = zeros(batch_size, slots)
         next_token = torch.full((batch_size, slots), self.special.start, dtype=torch.long, device=device)
-        stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)   # no new starts
-        # generated tokens and their count per slot, indexed by original example (rows are dropped)
-        produced = torch.zeros((batch_size, slots, length), dtype=torch.long, device=device)
-        produced_length = torch.zeros((batch_size, slots), dtype=torch.long, device=device)
-        hit_bound = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        terminated = torch.zeros(batch_size, dtype=torch.bool, device=device)  # emitted the empty one
-        calls = torch.zeros(batch_size, dtype=torch.long, device=device)
-        tokens_out = torch.zeros(batch_size, dtype=torch.long, device=device)
-        slot_index = torch.arange(slots, device=device)
-        keys = Grid(*(torch.zeros((batch_size, 0), dtype=torch.long, device=device) for _ in range(3)),
-                    torch.zeros((batch_size, 0), dtype=torch.bool, device=device))
+        stopped = zeros(batch_size, dtype=torch.bool)           # an empty subsequence came: no new starts
+        # per original example (rows leave the batch; these stay), read back once at the end
+        produced = zeros(batch_size, slots, length)
+        produced_length = zeros(batch_size, slots)
+        bound_hits = zeros(batch_size)                          # subsequences cut at max length
+        terminations = zeros(batch_size)                        # empty subsequences emitted
+        calls = zeros(batch_size)
+        tokens_out = zeros(batch_size)
+        keys = Grid(zeros(batch_size, 0), zeros(batch_size, 0), zeros(batch_size, 0),
+                    zeros(batch_size, 0, dtype=torch.bool))
         logits_seen: dict = {}
         batch_calls = 0
+        counts = [1] * batch_size   # host: running subsequences per live example at this step
 
         for step in range(self.max_steps):
             # 1. start subsequence step/d in every example that may still start one
-            if step % self.delay == 0 and step // self.delay < slots:
-                state[~stopped, step // self.delay] = RUNNING
-
+            if step % delay == 0 and step // delay < slots:
+                state[:, step // delay] = torch.where(stopped, state[:, step // delay], RUNNING)
+            width = max(counts)
+            if width == 0:
+                # with delay > 1 every live example may wait for its next start: no call; the
+                # live examples (none is stopped: those finished) start one at the next start
+                starts = (step + 1) % delay == 0 and (step + 1) // delay < slots
+                counts = [int(starts)] * len(counts)
+                continue
             running = state == RUNNING                                       # (B', slots)
             # 2. gather each example's running slots, in subsequence order, into R columns
-            count = running.sum(1)
-            width = int(count.max())
-            if width == 0:   # with delay > 1 every live example may be waiting for its next start
-                continue
             order = torch.argsort((~running).to(torch.int8), dim=1, stable=True)[:, :width]  # (B', R)
             valid = torch.gather(running, 1, order)
             query = Grid(torch.gather(next_token, 1, order).masked_fill(~valid, self.special.pad),
@@ -187,59 +188,66 @@ class PipelinedDecoder(Decoder):
 
             # 3. one decoder call for all running subsequences of all live examples
             if use_cache:
-                bias = attention_bias(table, self.delay, query, keys)
+                bias = attention_bias(table, delay, query, keys)
                 hidden = run_decoder(model, query.tokens, bias, encoder_states, attention_mask, cache)
             else:
-                bias = attention_bias(table, self.delay, keys, keys)
+                bias = attention_bias(table, delay, keys, keys)
                 hidden = run_decoder(model, keys.tokens, bias, encoder_states, attention_mask)[:, -width:]
-            # logits only at the running subsequences' columns: padding columns cost no vocab row
-            live, column = valid.nonzero(as_tuple=True)                      # (n,) each
+            # vocabulary logits only at the running columns (the first counts[b] of row b): their
+            # indices come from the host-side counts, not from a `nonzero` that would wait
+            live = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device)
+            column = torch.tensor([c for n in counts for c in range(n)], device=device)
             logits = output_logits(model, hidden[live, column])              # (n, vocab)
             token = logits.argmax(-1)                                        # (n,)
             slot = order[live, column]
             j = offset[live, slot]
+            example = rows.index[live]
             batch_calls += 1
-            calls[rows[count > 0]] += 1
+            calls.index_add_(0, rows.index, running.any(1).long())
             if record_logits:
-                for key, position_logits in zip(zip(rows[live].tolist(), slot.tolist(), j.tolist()), logits):
+                for key, position_logits in zip(zip(example.tolist(), slot.tolist(), j.tolist()), logits):
                     logits_seen[key] = position_logits.clone()
 
             # 4. write the new tokens back to their slots and update the slots' states
-            produced[rows[live], slot, j] = token
-            produced_length[rows[live], slot] = j + 1
-            tokens_out.index_add_(0, rows[live], torch.ones_like(live))
+            produced[example, slot, j] = token
+            produced_length[example, slot] = j + 1
+            tokens_out.index_add_(0, example, torch.ones_like(example))
             ended = token == self.special.eos
             too_long = ~ended & (j + 1 >= length)
-            state[live[ended | too_long], slot[ended | too_long]] = DONE
-            hit_bound[rows[live[too_long]]] = True
+            state[live, slot] = torch.where(ended | too_long, DONE, RUNNING)
+            bound_hits.index_add_(0, example, too_long.long())
             empty = ended & (j == 0)
-            stopped[live[empty]] = True
-            terminated[rows[live[empty]]] = True
+            terminations.index_add_(0, example, empty.long())
+            stopped = stopped | (zeros(len(counts)).index_add_(0, live, empty.long()) > 0)
             next_token[live, slot] = token
             offset[live, slot] = j + 1
 
-            # 5. drop examples with nothing running and nothing left to start
-            can_start = ~stopped & (slot_index[None, :] * self.delay > step).any(1)
-            finished = ~((state == RUNNING).any(1) | can_start)
-            if finished.all():
+            # 5. drop examples with nothing running and nothing left to start; read back, in the
+            # same transfer, how many subsequences each kept example runs at the next step
+            still_running = state == RUNNING
+            may_start = ~stopped & ((slots - 1) * delay > step)
+            starts_next = (step + 1) % delay == 0 and (step + 1) // delay < slots
+            kept = rows.drop_finished(
+                ~(still_running.any(1) | may_start), cache, encoder_states, attention_mask, state,
+                offset, next_token, stopped, keys.tokens, keys.subsequence, keys.offset, keys.valid,
+                also=still_running.sum(1) + (~stopped & starts_next))
+            if kept is None:
                 break
-            if finished.any():
-                keep = (~finished).nonzero().squeeze(1)
-                (encoder_states, attention_mask, rows, state, offset, next_token, stopped,
-                 *key_fields) = drop_finished_rows(
-                    cache, keep, encoder_states, attention_mask, rows, state, offset, next_token,
-                    stopped, keys.tokens, keys.subsequence, keys.offset, keys.valid)
-                keys = Grid(*key_fields)
+            (encoder_states, attention_mask, state, offset, next_token, stopped, *key_fields) = kept
+            keys = Grid(*key_fields)
+            counts = rows.values
         else:
-            hit_bound[rows] = True   # max_steps reached with work left
+            bound_hits.index_add_(0, rows.index, torch.ones_like(rows.index))  # max_steps reached
+
         # An example that used all `max_subsequences` slots never emitted its empty terminator: it
         # was cut by that bound as surely as by `max_steps`.
-        hit_bound |= ~terminated
-
+        hit_bound = (bound_hits > 0) | (terminations == 0)
+        produced, produced_length, calls, tokens_out, hit_bound = read_back(
+            produced, produced_length, calls, tokens_out, hit_bound)
         output = DecodeOutput(
             subsequences=[self._subsequences(tokens, lengths)
-                          for tokens, lengths in zip(produced.tolist(), produced_length.tolist())],
-            decoder_calls=calls.tolist(), tokens=tokens_out.tolist(), hit_max_steps=hit_bound.tolist(),
+                          for tokens, lengths in zip(produced, produced_length)],
+            decoder_calls=calls, tokens=tokens_out, hit_max_steps=[bool(h) for h in hit_bound],
             batch_decoder_calls=batch_calls)
         return output, logits_seen
 
