@@ -241,6 +241,10 @@ def _check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    for key in ("model.lr", "train.lr"):  # train.lr defaults to model.lr
+        value = OmegaConf.select(cfg, key)
+        if value is None or value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
     for key in ("data.max_train_examples", "data.max_eval_examples"):
         value = OmegaConf.select(cfg, key)
         if value is not None and value < 1:

@@ -46,6 +46,8 @@ def test_trainer_accepts_any_trainer_argument():
     (["decoder=nope"], "unknown decoder 'nope'; allowed: "),
     (["data=jsonl"], "required key(s) not set: data.path"),
     (["data.max_train_examples=0"], "data.max_train_examples=0 must be >= 1"),
+    (["train.lr=0"], "train.lr=0 must be > 0"),
+    (["model.lr=-1e-4"], "model.lr=-0.0001 must be > 0"),
     (["task.level=paragraph"], "unknown key 'task.level'"),
     (["noequals"], "not of the form key=value"),
 ])
@@ -53,6 +55,19 @@ def test_bad_overrides_fail_clearly(overrides, needle):
     with pytest.raises(ConfigError) as err:
         compose("keyphrase", None, None, overrides)
     assert needle in str(err.value)
+
+
+def test_learning_rate_defaults_to_the_models_and_train_lr_overrides_it():
+    # t5-tiny learns from scratch; pretrained T5 is fine-tuned with AdamW at 1e-4 to 3e-4
+    assert compose().train.lr == 3e-3
+    assert compose(overrides=["model=t5-small"]).train.lr == 3e-4
+    assert compose(overrides=["model=t5-large"]).train.lr == 1e-4
+    for overrides in (["model=t5-small", "train.lr=1e-5"], ["train.lr=1e-5", "model=t5-small"]):
+        assert compose(overrides=overrides).train.lr == 1e-5
+    assert compose(overrides=["model=t5-small", "model.lr=2e-4"]).train.lr == 2e-4
+    # a checkpoint's configuration keeps the learning rate it was trained with
+    stored = OmegaConf.to_container(compose(overrides=["model=t5-small", "train.lr=5e-5"]))
+    assert compose(base=stored).train.lr == 5e-5
 
 
 def test_interpolated_default_takes_a_value_of_its_resolved_type():
