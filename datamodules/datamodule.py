@@ -110,9 +110,12 @@ class SubsequenceDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._encoded:
             return
+        if self.tokenizer is None and self.model_cfg.name != "t5-tiny":
+            # needs no data: a bad model.hub_id fails before any is read (or downloaded)
+            self.tokenizer = tok.load_pretrained(self.model_cfg.hub_id)
         self.load_records()
         if self.tokenizer is None:
-            self.tokenizer = self._build_tokenizer()
+            self.tokenizer = self._train_tokenizer()
         for split in SPLITS:
             self._encoded[split], self.report[split] = self._encode(self._records[split])
             report = self.report[split]
@@ -131,13 +134,11 @@ class SubsequenceDataModule(L.LightningDataModule):
                             report.subsequences_truncated, report.subsequences_dropped,
                             self.data.max_target_length, self.data.max_subsequences)
 
-    def _build_tokenizer(self):
-        if self.model_cfg.name == "t5-tiny":
-            schema = schema_for(self.task)
-            texts = [schema.source_text(r) for r in self._records["train"]]
-            texts += [t for r in self._records["train"] for t in target_texts(self.task, r)]
-            return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
-        return tok.load_pretrained(self.model_cfg.hub_id)
+    def _train_tokenizer(self):
+        schema = schema_for(self.task)
+        texts = [schema.source_text(r) for r in self._records["train"]]
+        texts += [t for r in self._records["train"] for t in target_texts(self.task, r)]
+        return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
 
     def _encode(self, records: list[dict]) -> tuple[list[Encoded], DataReport]:
         schema = schema_for(self.task)

@@ -1,9 +1,12 @@
-"""Tokenizers: trained locally for `t5-tiny`, loaded with `from_pretrained` for pretrained T5.
+"""Tokenizers: trained locally for `t5-tiny`, loaded with `from_pretrained` for pretrained T5 (from
+the hub or from a local folder).
 
 Both follow T5's conventions (pad=0, eos=1, unk=2) and carry two extra special tokens the decoders
 need: `<sep>` (joins subsequences in the flat layout) and `<mask>` (non-autoregressive decoding).
 A trained tokenizer is cached on disk under a key made of the training texts and the settings, so a
-second run with the same data reuses it instead of training again.
+second run with the same data reuses it instead of training again. Either kind is stored in a
+checkpoint (`serialize`) and rebuilt from it (`from_serialized`), so that a checkpoint is used
+without the model's folder or the hub.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import hashlib
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -30,9 +34,15 @@ class TokenizerError(RuntimeError):
     """A tokenizer could not be trained or loaded; the message says what to do."""
 
 
-def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS,
-                                   unk_token=UNK, additional_special_tokens=[SEP, MASK])
+# The wrapper settings of a trained tokenizer (for a loaded one, `serialize` reads them off it).
+TRAINED_SETTINGS = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK,
+                    "additional_special_tokens": [SEP, MASK]}
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                        "mask_token")
+
+
+def _wrap(tokenizer: Tokenizer, settings: dict = TRAINED_SETTINGS) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **settings)
 
 
 def _train(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -71,23 +81,66 @@ def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.Pat
     return _wrap(tokenizer)
 
 
-def from_serialized(tokenizer_json: str) -> PreTrainedTokenizerFast:
-    """Rebuild a trained tokenizer from the JSON stored in a checkpoint."""
-    return _wrap(Tokenizer.from_str(tokenizer_json))
+def serialize(tokenizer: PreTrainedTokenizerFast) -> tuple[str, dict]:
+    """What rebuilds `tokenizer` without its files: the fast tokenizer's JSON (vocabulary, added
+    tokens with their ids, normalizer, pre-tokenizer, decoder) and the settings the wrapper adds
+    (which tokens are special, how decoding cleans up spaces). Plain strings, lists and bools only,
+    so that a checkpoint holding them loads with `torch.load(weights_only=True)`."""
+    named = {attr: str(getattr(tokenizer, attr)) for attr in NAMED_SPECIAL_TOKENS
+             if getattr(tokenizer, attr) is not None}
+    extra = [token for token in tokenizer.all_special_tokens if token not in named.values()]
+    settings = {**named, "additional_special_tokens": extra,
+                # T5's tokenizer sets it (True): without it "a, b" decodes as "a , b"
+                "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces)}
+    return tokenizer.backend_tokenizer.to_str(), settings
 
 
-def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:
+def from_serialized(tokenizer_json: str, settings: dict | None = None) -> PreTrainedTokenizerFast:
+    """Rebuild a tokenizer from what `serialize` stored in a checkpoint. Without `settings` (a
+    checkpoint written before they were stored, which held only trained tokenizers) a trained
+    tokenizer's are used."""
+    return _wrap(Tokenizer.from_str(tokenizer_json), TRAINED_SETTINGS if settings is None else settings)
+
+
+@contextmanager
+def pretrained_files(hub_id: str, what: str, error: type[Exception]) -> Iterator[str]:
+    """Around `from_pretrained(name)` of a pretrained model's tokenizer or weights, yielding the name
+    to load: a local folder is read as it is (no hub request; an error says what the folder lacks),
+    a hub id goes through `hub_access` (offline mode when the hub cannot be reached). A failure is
+    raised as `error` ("cannot load WHAT HUB_ID: why")."""
+    folder = Path(hub_id).expanduser()
+    if folder.is_dir():
+        try:
+            yield str(folder)
+        except (OSError, ValueError) as err:  # files missing: OSError (weights), ValueError (tokenizer)
+            from datamodules.hub import load_failure  # imports `datasets`: only on this failure
+            raise error(f"cannot load {what} {hub_id!r} (model.hub_id, a local folder; it needs "
+                        f"config.json, the weights and tokenizer.json): "
+                        f"{load_failure(err, None)}") from err
+        return
+    if hub_id.startswith(("/", ".", "~")):  # hub ids never start so: this was meant as a folder
+        raise error(f"model.hub_id={hub_id!r} is not a folder; give a folder holding the model's "
+                    f"files (config.json, weights, tokenizer.json) or a hub id such as "
+                    f"google-t5/t5-small")
     from datamodules.hub import hub_access, load_failure  # imports `datasets`: only for hub models
     with hub_access() as unreachable:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(hub_id)
+            yield hub_id
         except OSError as err:
-            raise TokenizerError(f"cannot load the tokenizer of {hub_id!r}: "
-                                 f"{load_failure(err, unreachable)}. Use model=t5-tiny to work "
-                                 f"offline.") from err
+            raise error(f"cannot load {what} {hub_id!r}: {load_failure(err, unreachable)}. Use "
+                        f"model=t5-tiny, or model.hub_id=DIR with a local copy of the model, to "
+                        f"work offline.") from err
+
+
+def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:
+    with pretrained_files(hub_id, "the tokenizer of", TokenizerError) as name:
+        tokenizer = AutoTokenizer.from_pretrained(name)
     missing = [t for t in (SEP, MASK) if t not in tokenizer.get_vocab()]
     if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+        # Added to the extra special tokens, not in place of them (the second argument, named
+        # replace_extra_special_tokens in transformers 5 and replace_additional_special_tokens in
+        # 4): replacing them would unmark T5's 100 sentinels <extra_id_N> as special tokens.
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, False)
     return tokenizer
 
 

@@ -21,6 +21,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from datamodules.datamodule import process_group
 from datamodules.schema import schema_for, target_texts
+from datamodules.tokenizer import serialize
 from decoders.base import Decoder
 from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
 
@@ -207,8 +208,11 @@ class GenerationTask(L.LightningModule):
     # -- checkpoints carry what is needed to rebuild the model ---------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["decoder_name"] = self.decoder.name
-        if self.cfg.model.name == "t5-tiny":
-            checkpoint["tokenizer_json"] = self.tokenizer.backend_tokenizer.to_str()
+        # The tokenizer and the backbone's architecture, so that testing, resuming or starting from
+        # the checkpoint needs neither a pretrained model's folder nor the hub (`tasks.run.
+        # stored_model`); plain strings, lists and dicts, loadable with torch.load(weights_only=True).
+        checkpoint["tokenizer_json"], checkpoint["tokenizer_settings"] = serialize(self.tokenizer)
+        checkpoint["backbone_config"] = self.backbone.config.to_dict()
 
 
 class KeyphraseTask(GenerationTask):

@@ -46,12 +46,20 @@ def decoder_options(cfg: DictConfig) -> dict:
     return {k: v for k, v in cfg.decoder.items() if k != "name"}
 
 
-def build(cfg: DictConfig, tokenizer=None) -> Built:
-    """Data (records, tokenizer, encoded splits), then the backbone, the decoder and the task module."""
+@dataclass(frozen=True)
+class StoredModel:
+    """What a checkpoint carries to rebuild its model without the model's files (`stored_model`)."""
+    tokenizer: object | None = None       # None: trained (t5-tiny) or loaded by name afresh
+    backbone_config: dict | None = None   # None: built from the configuration or the hub
+
+
+def build(cfg: DictConfig, stored: StoredModel = StoredModel()) -> Built:
+    """Data (records, tokenizer, encoded splits), then the backbone, the decoder and the task module;
+    the tokenizer and the backbone's architecture come from `stored` where it has them."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = SubsequenceDataModule(cfg, tokenizer=tokenizer)
+    datamodule = SubsequenceDataModule(cfg, tokenizer=stored.tokenizer)
     datamodule.setup()
-    backbone = build_backbone(cfg.model, datamodule.tokenizer)
+    backbone = build_backbone(cfg.model, datamodule.tokenizer, stored.backbone_config)
     decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(datamodule.tokenizer),
                             **decoder_options(cfg))
     module = TASK_MODULES[cfg.task.name](cfg, backbone, decoder, datamodule.tokenizer)
@@ -212,7 +220,7 @@ class Resume:
     """Where an unfinished fit is taken up: its MLflow run and its last checkpoint."""
     run_id: str
     checkpoint: str
-    tokenizer: object | None  # the run's own trained tokenizer (t5-tiny), not trained again
+    stored: StoredModel  # the run's own tokenizer and architecture, not trained or loaded again
 
 
 def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
@@ -247,7 +255,7 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
     if differences:
         raise ConfigError(f"--resume: run {run.info.run_id} was trained with another configuration "
                           f"(resume with the same command): {'; '.join(differences[:8])}")
-    return Resume(run.info.run_id, str(last), checkpoint_tokenizer(stored_checkpoint))
+    return Resume(run.info.run_id, str(last), stored_model(stored_checkpoint))
 
 
 def config_differences(checkpoint: dict, cfg: DictConfig, there: str,
@@ -273,9 +281,10 @@ def load_checkpoint(path: str) -> dict:
 
 @dataclass
 class InitialWeights:
-    """What `train.init_from` gives a new fit: the backbone weights and the tokenizer they go with."""
+    """What `train.init_from` gives a new fit: the backbone weights, and the tokenizer and
+    architecture they go with."""
     backbone: dict[str, torch.Tensor]
-    tokenizer: object | None  # t5-tiny's trained tokenizer; None: a pretrained model's, by name
+    stored: StoredModel
 
 
 def initial_weights(cfg: DictConfig) -> InitialWeights | None:
@@ -294,14 +303,17 @@ def initial_weights(cfg: DictConfig) -> InitialWeights | None:
     prefix = "backbone."
     backbone = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items()
                 if key.startswith(prefix)}
-    return InitialWeights(backbone, checkpoint_tokenizer(checkpoint))
+    return InitialWeights(backbone, stored_model(checkpoint))
 
 
-def checkpoint_tokenizer(checkpoint: dict):
-    """The trained tokenizer a checkpoint carries (t5-tiny's), or None: a pretrained model's
-    tokenizer is loaded again by name."""
+def stored_model(checkpoint: dict) -> StoredModel:
+    """The tokenizer and backbone architecture a checkpoint carries (`GenerationTask.
+    on_save_checkpoint`). Checkpoints written before these were stored for pretrained models carry
+    none of them (their model is loaded again by name), and t5-tiny's only the tokenizer's JSON."""
     serialized = checkpoint.get("tokenizer_json")
-    return from_serialized(serialized) if serialized is not None else None
+    tokenizer = None if serialized is None else from_serialized(serialized,
+                                                                checkpoint.get("tokenizer_settings"))
+    return StoredModel(tokenizer, checkpoint.get("backbone_config"))
 
 
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
@@ -315,8 +327,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
                            run_id=resume.run_id if resume else None)  # fails here if unusable
-    tokenizer = resume.tokenizer if resume else initial.tokenizer if initial else None
-    built = build(cfg, tokenizer=tokenizer)
+    built = build(cfg, resume.stored if resume else initial.stored if initial else StoredModel())
     if initial is not None:
         built.module.backbone.load_state_dict(initial.backbone)
     # The MLflow run is created here, once the data and the model are known to be good; on other

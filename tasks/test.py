@@ -13,8 +13,8 @@ import time
 
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
-from tasks.run import (base_parser, build, checkpoint_tokenizer, default_run_name, load_checkpoint,
-                       log, main_guard, open_tracking, score_into_run)
+from tasks.run import (base_parser, build, default_run_name, load_checkpoint, log, main_guard,
+                       open_tracking, score_into_run, stored_model)
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
@@ -36,7 +36,7 @@ def restore(checkpoint: dict, path: str, cfg):
 
     Weights of modules the chosen decoder lacks (e.g. blockwise heads when decoding sequentially)
     are ignored; every weight the model needs must be there."""
-    built = build(cfg, tokenizer=checkpoint_tokenizer(checkpoint))
+    built = build(cfg, stored_model(checkpoint))
     try:
         missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
     except RuntimeError as err:  # shapes differ: an option that sizes a module was changed
