@@ -11,6 +11,7 @@ from datamodules.schema import DataError
 from datamodules.sources import load_split, read_jsonl
 from tasks.config import compose
 from tasks.models import ModelError, build_backbone
+from tasks.run import records_digest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -150,3 +151,11 @@ def test_pretrained_tokenizer_and_weights_fail_fast_offline(monkeypatch):
         build_backbone(compose(overrides=["model=t5-small"]).model, tokenizer=None)
     assert time.perf_counter() - started < 20
 
+
+def test_records_digest_follows_the_records_content_and_order():
+    records = [dict(KP), {**KP, "id": "b"}]
+    digest = records_digest(records)
+    assert records_digest([dict(reversed(list(r.items()))) for r in records]) == digest  # key order aside
+    assert records_digest(records[::-1]) != digest
+    assert records_digest([records[0], {**records[1], "keyphrases": ["graph coloring"]}]) != digest
+    assert records_digest(records[:1]) != digest

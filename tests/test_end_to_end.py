@@ -7,8 +7,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from datamodules.datamodule import SubsequenceDataModule
 from tasks import fit, test as test_entry
-from tasks.config import ConfigError
+from tasks.config import ConfigError, compose
+from tasks.run import records_digest
 
 TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
         "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
@@ -56,6 +58,18 @@ def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
     assert again["run_id"] != result["run_id"]
     assert again["scores"][QUALITY[task]] == pytest.approx(result["scores"][QUALITY[task]], abs=1e-9)
 
+    # each split the run used is a dataset input, named after the data source, with a digest of
+    # the split's records; tasks.test uses the test split only; other data, another digest
+    datamodule = SubsequenceDataModule(compose(task, None, None, TINY))
+    expected = {split: (f"builtin-{task}", records_digest(datamodule.records(split)))
+                for split in ("train", "validation", "test")}
+    assert dataset_inputs(run) == expected and len({d for _, d in expected.values()}) == 3
+    assert dataset_inputs(client.get_run(again["run_id"])) == {"test": expected["test"]}
+    fewer = test_entry.main(["--ckpt", result["checkpoint"], *tracking(tmp_path),
+                             "data.max_eval_examples=4", "trainer.enable_progress_bar=false"])
+    name, digest = dataset_inputs(client.get_run(fewer["run_id"]))["test"]
+    assert name == f"builtin-{task}" and digest != expected["test"][1]
+
     # a checkpoint refuses a decoder of another layout, naming both
     with pytest.raises(ConfigError, match="trained with decoder 'sequential'; decoder 'pipelined' "
                                           "cannot decode it"):
@@ -86,6 +100,12 @@ def test_bf16_mixed_precision_trains_and_decodes_every_decoder(decoder, tmp_path
     assert losses and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(v) for v in result["scores"].values())
     assert client.get_run(result["run_id"]).data.params["trainer.precision"] == "bf16-mixed"
+
+
+def dataset_inputs(run) -> dict[str, tuple[str, str]]:
+    """A run's dataset inputs: context (the split) -> (dataset name, digest)."""
+    return {next(tag.value for tag in item.tags if tag.key == "mlflow.data.context"):
+            (item.dataset.name, item.dataset.digest) for item in run.inputs.dataset_inputs}
 
 
 def run_artifact_rows(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:
