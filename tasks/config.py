@@ -234,6 +234,10 @@ def _check_values(cfg: DictConfig) -> None:
     from datamodules.schema import TASKS
     if cfg.task.name not in TASKS:
         raise ConfigError(f"unknown task {cfg.task.name!r}; allowed: {', '.join(TASKS)}")
+    from decoders.base import STRUCTURED_ATTENTION
+    if cfg.model.attn_implementation not in STRUCTURED_ATTENTION:
+        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation!r}; allowed: "
+                          f"{', '.join(STRUCTURED_ATTENTION)}")
     if cfg.task.name == "qa" and cfg.task.level not in ("phrase", "sentence"):
         raise ConfigError(f"task.level={cfg.task.level!r}; allowed: phrase, sentence")
     for key in ("train.batch_size", "eval.batch_size", "eval.speed_batch_size",

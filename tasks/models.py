@@ -17,8 +17,8 @@ def build_backbone(model: DictConfig, tokenizer,
     """The backbone `model` describes, for `tokenizer`. `stored_config` is the architecture a
     checkpoint carries (its backbone's T5Config as a dict), for a backbone whose weights come from
     that checkpoint: a pretrained one is then built from it, without its folder or the hub."""
-    # Eager attention: the pipelined decoder adds its own (B, heads, queries, keys) bias + mask to
-    # the attention scores, which only the eager implementation takes.
+    # `model.attn_implementation` (sdpa by default, as in transformers: fused kernels on GPUs, or
+    # eager): the decoders' own attention structures hold under both (decoders.base.run_decoder).
     if model.name == "t5-tiny":  # its architecture is the configuration's
         config = T5Config(vocab_size=len(tokenizer), d_model=model.d_model, d_ff=model.d_ff,
                           d_kv=model.d_kv, num_heads=model.num_heads, num_layers=model.num_layers,
@@ -26,16 +26,16 @@ def build_backbone(model: DictConfig, tokenizer,
                           initializer_factor=float(model.initializer_factor),
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           decoder_start_token_id=tokenizer.pad_token_id)
-        config._attn_implementation = "eager"
+        config._attn_implementation = model.attn_implementation
         return T5ForConditionalGeneration(config)
     if stored_config is not None:  # random weights, replaced by the checkpoint's
         config = T5Config.from_dict(stored_config, dropout_rate=model.dropout)
-        config._attn_implementation = "eager"
+        config._attn_implementation = model.attn_implementation
         backbone = T5ForConditionalGeneration(config)
     else:
         with pretrained_files(model.hub_id, "pretrained weights", ModelError) as name:
             backbone = T5ForConditionalGeneration.from_pretrained(
-                name, attn_implementation="eager", dropout_rate=model.dropout)
+                name, attn_implementation=model.attn_implementation, dropout_rate=model.dropout)
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone

@@ -99,7 +99,7 @@ def test_pretrained_backbone_loads_from_a_local_folder_and_from_a_stored_config(
     tokenizer = tok.load_pretrained(model.hub_id)
     backbone = build_backbone(model, tokenizer)
     assert backbone.get_input_embeddings().num_embeddings == len(tokenizer) == 32102
-    assert backbone.config._attn_implementation == "eager" and backbone.config.dropout_rate == 0.2
+    assert backbone.config._attn_implementation == "sdpa" and backbone.config.dropout_rate == 0.2
     saved = T5ForConditionalGeneration.from_pretrained(folder).state_dict()
     loaded = backbone.state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in saved.items() if "shared" not in key
@@ -111,7 +111,7 @@ def test_pretrained_backbone_loads_from_a_local_folder_and_from_a_stored_config(
     shutil.rmtree(folder)
     again = build_backbone(model, tokenizer, stored)
     again.load_state_dict(loaded)  # same shapes, strictly
-    assert again.config._attn_implementation == "eager" and again.config.dropout_rate == 0.2
+    assert again.config._attn_implementation == "sdpa" and again.config.dropout_rate == 0.2
 
 
 @needs_t5_files
