@@ -5,7 +5,9 @@ import argparse
 import hashlib
 import json
 import logging
+import fcntl
 import os
+import pickle
 import sqlite3
 import sys
 import tempfile
@@ -74,21 +76,55 @@ def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
     """The MLflow logger of one run; fails before any training if the store cannot be opened."""
     from mlflow.tracking import MlflowClient
     try:
-        if cfg.tracking.uri.startswith("sqlite:///"):
-            # opened directly first: MLflow retries a database it cannot open for ~100 s
-            database = Path(cfg.tracking.uri[len("sqlite:///"):])
-            database.parent.mkdir(parents=True, exist_ok=True)
-            with closing(sqlite3.connect(database)) as connection:
-                connection.execute("PRAGMA schema_version")
-        MlflowClient(cfg.tracking.uri).search_experiments(max_results=1)
+        with store_creation_lock(cfg.tracking.uri):
+            MlflowClient(cfg.tracking.uri).search_experiments(max_results=1)
+    except ConfigError:
+        raise
     except Exception as err:  # any failure here means the store is unusable
-        raise ConfigError(f"cannot open tracking.uri={cfg.tracking.uri!r}: "
-                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if any(sign in str(err) for sign in HALF_MIGRATED):
+            raise ConfigError(f"the tracking store tracking.uri={cfg.tracking.uri!r} was left "
+                              f"half-created or half-migrated ({first_line[:200]}). Move that "
+                              f"database aside (its runs are in it) and start again to create a "
+                              f"new one, or upgrade it with `mlflow db upgrade "
+                              f"{cfg.tracking.uri}`") from err
+        raise ConfigError(f"cannot open tracking.uri={cfg.tracking.uri!r}: {first_line}") from err
     artifacts = Path(cfg.tracking.artifact_location).resolve()
     artifacts.mkdir(parents=True, exist_ok=True)
     return MLFlowLogger(experiment_name=experiment_name(cfg), run_name=run_name,
                         tracking_uri=cfg.tracking.uri, artifact_location=artifacts.as_uri(),
                         tags=tags, run_id=run_id)
+
+
+# What MLflow says about a store whose creation or migration was interrupted or raced.
+HALF_MIGRATED = ("Online migration expected to match one row", "_alembic_tmp",
+                 "out-of-date database schema", "alembic_version")
+
+
+@contextmanager
+def store_creation_lock(uri: str):
+    """Serializes the first connection to a sqlite tracking store across processes.
+
+    MLflow creates and migrates a new sqlite store on its first connection; two processes doing so
+    at once (two fits started together) both fail and leave the store broken for every later run.
+    An exclusive lock on `<database>.lock` around the first connection makes one create it and the
+    others find it ready. The database is opened directly first: MLflow retries a database it
+    cannot open for ~100 s. Other stores (a tracking server, a database server) serialize
+    themselves."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    database = Path(uri[len("sqlite:///"):])
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+        with closing(sqlite3.connect(database)) as connection:
+            connection.execute("PRAGMA schema_version")
+        lock = open(database.with_name(database.name + ".lock"), "a")
+    except (OSError, sqlite3.Error) as err:
+        raise ConfigError(f"cannot open tracking.uri={uri!r}: {err}") from err
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def experiment_name(cfg: DictConfig) -> str:
@@ -99,10 +135,14 @@ def default_run_name(cfg: DictConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}"
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
+class SafeCheckpointIO(TorchCheckpointIO):
     """Writes a checkpoint under a temporary name and renames it into place, so that a crash or a
     full disk mid-write leaves the previous file (or none), never a truncated one under the final
-    name that a later resume or test would take for complete."""
+    name that a later resume or test would take for complete. Reads (Lightning's resume and
+    best-checkpoint test) load data only, as `load_checkpoint` does."""
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         path = Path(path)
@@ -120,7 +160,7 @@ def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> 
     return L.Trainer(**cfg.trainer, logger=logger if logger is not None else False,
                      callbacks=list(callbacks), enable_autolog_hparams=False,
                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                     use_distributed_sampler=False, plugins=[AtomicCheckpointIO()])
+                     use_distributed_sampler=False, plugins=[SafeCheckpointIO()])
 
 
 def decode_device(cfg: DictConfig) -> torch.device:
@@ -213,9 +253,10 @@ def log_datasets(logger: MLFlowLogger, cfg: DictConfig, datamodule: SubsequenceD
 def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built) -> None:
     """Decode and score the test split with an already-trained module; params, the test split as
     dataset input, metrics, config and predictions go to `logger`'s run."""
-    log_params(logger, cfg, built.datamodule, ("test",))
-    make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
-    log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    with run_status(logger, _ExceptionWatcher()):  # the run exists from the first log on
+        log_params(logger, cfg, built.datamodule, ("test",))
+        make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
+        log_artifacts(logger, cfg, built.module.prediction_rows("test"))
 
 
 @dataclass
@@ -322,12 +363,26 @@ def config_differences(checkpoint: dict, cfg: DictConfig, there: str,
 
 
 def load_checkpoint(path: str) -> dict:
+    """A checkpoint written by this library, loaded as data: `torch.load(weights_only=True)`, which
+    unpickles only tensors and plain containers and numbers, so a file crafted to call a function
+    when unpickled is refused before anything in it runs. The library's checkpoints need nothing
+    more (their configuration, tokenizer and architecture are stored as plain dicts and strings)."""
     if not Path(path).is_file():
         raise ConfigError(f"{path}: no such checkpoint file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message names the offending global (e.g. "GLOBAL posix.system")
+        reason = str(err).split("Please file an issue")[0].strip().splitlines()
+        raise ConfigError(f"{path} was refused: it holds objects other than tensors and plain data, "
+                          f"which could run code when loaded, and tasks.fit never writes such a "
+                          f"file ({' '.join(line.strip() for line in reason[:3])[:300]})") from err
     except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
         raise ConfigError(f"{path} is not a readable checkpoint: {err}") from err
+    if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint:
+        raise ConfigError(f"{path} is not a checkpoint written by tasks.fit (it has no "
+                          f"hyper_parameters)")
+    return checkpoint
 
 
 @dataclass
@@ -384,25 +439,28 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     # The MLflow run is created here, once the data and the model are known to be good; on other
     # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
     run_id = logger.run_id
-    if resume is not None and rank_zero_only.rank == 0:
-        client = logger.experiment
-        client.update_run(run_id, status="RUNNING")
-        client.set_tag(run_id, "resumed_from", resume.checkpoint)
-        error = client.get_run(run_id).data.tags.get("error")
-        if error is not None:  # kept, under a name that does not say the run is failing now
-            client.set_tag(run_id, "error_before_resume", error)
-            client.delete_tag(run_id, "error")
-    log_params(logger, cfg, built.datamodule, SPLITS)
     watcher = _ExceptionWatcher()
-    folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
-    best_checkpoint = BestCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
-                                     auto_insert_metric_name=False, monitor=built.module.primary_metric,
-                                     mode="max", save_top_k=1)
-    # Written at the end of every epoch (ModelCheckpoint's own `save_last` is only refreshed when
-    # the best one is): what `--resume` takes up, and what is tested when validation never ran.
-    last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
-    trainer = make_trainer(cfg, logger, callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
+    # From here on the run exists: any failure, a trainer that cannot be built included, marks it
     with run_status(logger, watcher):
+        if resume is not None and rank_zero_only.rank == 0:
+            client = logger.experiment
+            client.update_run(run_id, status="RUNNING")
+            client.set_tag(run_id, "resumed_from", resume.checkpoint)
+            error = client.get_run(run_id).data.tags.get("error")
+            if error is not None:  # kept, under a name that does not say the run is failing now
+                client.set_tag(run_id, "error_before_resume", error)
+                client.delete_tag(run_id, "error")
+        log_params(logger, cfg, built.datamodule, SPLITS)
+        folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
+        best_checkpoint = BestCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
+                                         auto_insert_metric_name=False,
+                                         monitor=built.module.primary_metric, mode="max", save_top_k=1)
+        # Written at the end of every epoch (ModelCheckpoint's own `save_last` is only refreshed
+        # when the best one is): what `--resume` takes up, and what is tested when validation
+        # never ran.
+        last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
+        trainer = make_trainer(cfg, logger,
+                               callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
         trainer.fit(built.module, datamodule=built.datamodule,
                     ckpt_path=resume.checkpoint if resume else None)
         # The best checkpoint by the task's metric (the latest of equal scores); the last one when

@@ -17,7 +17,7 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
-from tasks.run import AtomicCheckpointIO, build, make_trainer, train_and_test
+from tasks.run import SafeCheckpointIO, build, make_trainer, train_and_test
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ def test_ctrl_c_marks_the_run_killed(tmp_path):
 
 def test_checkpoint_write_is_all_or_nothing(tmp_path, monkeypatch):
     path = tmp_path / "last.ckpt"
-    writer = AtomicCheckpointIO()
+    writer = SafeCheckpointIO()
     writer.save_checkpoint({"step": 1}, path)
     assert torch.load(path)["step"] == 1
 
