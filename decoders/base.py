@@ -167,6 +167,15 @@ def split_flat_output(tokens: list[int], special: SpecialTokens) -> tuple[list[l
     return split_on(tokens, special.sep), False
 
 
+def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor) -> None:
+    """Keep, for each row b, the self-attention cache slots `order[b]` ((live, K') long), in that
+    order, in every layer: drops slots a row does not need (padding, rejected proposals) and packs
+    the rest to the front. The cross-attention part (the encoder's keys/values) is untouched."""
+    for layer in cache.self_attention_cache.layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(-1))
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
 def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
                        *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Keep only batch rows `keep` (1-D long) in the cache and in each tensor, so that finished
@@ -209,6 +218,7 @@ class LiveRows:
     def __init__(self, batch_size: int, device: torch.device):
         self.index = torch.arange(batch_size, device=device)   # (live,) original row of each live row
         self.values: list[int] = []                            # the `also` read back, for kept rows
+        self.kept: list[int] = list(range(batch_size))         # kept rows' positions in the last call
 
     def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
                       *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
@@ -220,8 +230,9 @@ class LiveRows:
         done, values = (read, None) if also is None else read
         if all(done):
             return None
-        if any(done):
-            kept = [row for row, d in enumerate(done) if not d]
+        kept = [row for row, d in enumerate(done) if not d]
+        self.kept = kept
+        if len(kept) < len(done):
             keep = torch.tensor(kept, device=finished.device)   # host -> device: no wait
             self.index = self.index[keep]
             if cache is not None:

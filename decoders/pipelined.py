@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, LiveRows, SpecialTokens, encode, hidden_mask,
-                           new_cache, output_logits, pad_batch, past_distance_bias_table,
-                           read_back, run_decoder)
+from decoders.base import (DecodeOutput, Decoder, LiveRows, SpecialTokens, encode,
+                           gather_self_attention_cache, hidden_mask, new_cache, output_logits,
+                           pad_batch, past_distance_bias_table, read_back, run_decoder)
 
 # slot states in decoding
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -126,12 +126,20 @@ class PipelinedDecoder(Decoder):
         return self.decode(model, input_ids, attention_mask)[0]
 
     def decode(self, model, input_ids, attention_mask, use_cache: bool = True,
-               record_logits: bool = False):
+               record_logits: bool = False, cache_trace: list | None = None):
         """Algorithm 1. Returns (DecodeOutput, logits) where logits, if recorded, maps
         (example, subsequence, offset) -> the (vocab,) logits computed for that position.
 
         `use_cache=False` recomputes every step from all tokens fed so far; it exists so tests can
-        check the cached path against a plain recomputation.
+        check the cached path against a plain recomputation. `cache_trace`, if given, receives
+        (cache length, tokens each live example fed, columns appended so far) after every call
+        (for tests of the bound below).
+
+        The cache stays lean: each call appends R columns per example (R = the batch's largest
+        running count), padding where an example runs fewer. Once the cache holds
+        `max_subsequences` or more columns beyond what the fullest example fed, every example's
+        fed columns are packed to the front and the rest cropped: after every call,
+        cache length < (most tokens any live example fed) + max_subsequences.
 
         Host syncs: one per decoder call (`LiveRows.drop_finished` reads back which examples
         finished together with each one's running count for the next call, which sets that call's
@@ -164,6 +172,8 @@ class PipelinedDecoder(Decoder):
         logits_seen: dict = {}
         batch_calls = 0
         counts = [1] * batch_size   # host: running subsequences per live example at this step
+        fed = [0] * batch_size      # host: tokens each live example has in the cache
+        appended = 0                # host: cache columns appended, padding included
 
         for step in range(self.max_steps):
             # 1. start subsequence step/d in every example that may still start one
@@ -203,6 +213,7 @@ class PipelinedDecoder(Decoder):
             j = offset[live, slot]
             example = rows.index[live]
             batch_calls += 1
+            appended += width
             calls.index_add_(0, rows.index, running.any(1).long())
             if record_logits:
                 for key, position_logits in zip(zip(example.tolist(), slot.tolist(), j.tolist()), logits):
@@ -235,7 +246,17 @@ class PipelinedDecoder(Decoder):
                 break
             (encoder_states, attention_mask, state, offset, next_token, stopped, *key_fields) = kept
             keys = Grid(*key_fields)
+            fed = [fed[b] + counts[b] for b in rows.kept]
             counts = rows.values
+            if use_cache and keys.valid.size(1) - max(fed) >= slots:
+                # pack each example's fed columns to the front (stable: their order is kept) and
+                # crop the padding every example has past its own
+                order = torch.argsort((~keys.valid).to(torch.int8), dim=1, stable=True)[:, :max(fed)]
+                gather_self_attention_cache(cache, order)
+                keys = Grid(*(torch.gather(k, 1, order) for k in
+                              (keys.tokens, keys.subsequence, keys.offset, keys.valid)))
+            if cache_trace is not None and use_cache:
+                cache_trace.append((cache.get_seq_length(), list(fed), appended))
         else:
             bound_hits.index_add_(0, rows.index, torch.ones_like(rows.index))  # max_steps reached
 

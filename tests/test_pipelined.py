@@ -159,6 +159,32 @@ def test_cached_decode_equals_uncached_recomputation(delay):
         torch.testing.assert_close(cached_logits[key], plain_logits[key], atol=1e-10 * scale, rtol=0)
 
 
+def test_cache_stays_within_max_subsequences_of_the_tokens_fed():
+    """Each call appends the batch's largest running count of columns to every example; padding
+    is packed away, so after every call the cache holds fewer than `max_subsequences` columns
+    beyond the most tokens a live example fed (stated in `decode`). Not vacuous by construction:
+    the batch is chosen so that the columns appended (what the cache would hold unpacked) exceed
+    that bound."""
+    model = trained_model(1)
+    # Padding past the fullest example's columns appears only when the example running most
+    # subsequences changes or finishes first: rare, and packed once it reaches max_subsequences,
+    # so the bound is checked at max_subsequences = 2, where it is reached and must be packed.
+    decoder = pipelined(model, delay=1, max_subsequences=2, max_subsequence_length=6, max_steps=40)
+
+    def decode(input_ids, attention_mask):
+        trace: list = []
+        return decoder.decode(model, input_ids, attention_mask, cache_trace=trace)[0], trace
+
+    def outgrows(input_ids, attention_mask):
+        """unpacked, the cache would outgrow the bound"""
+        return any(appended >= max(fed) + 2 for _, fed, appended in decode(input_ids, attention_mask)[1])
+    input_ids, attention_mask = first_batch_where(outgrows, 8, max_len=9, seed=12)
+    out, trace = decode(input_ids, attention_mask)
+    assert all(length < max(fed) + 2 for length, fed, _ in trace)
+    unpacked, _ = decoder.decode(model, input_ids, attention_mask, use_cache=False)
+    assert out.subsequences == unpacked.subsequences  # packing changes no output
+
+
 def test_alone_equals_in_batch():
     model = trained_model(1)
     decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40)
