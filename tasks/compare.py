@@ -120,6 +120,19 @@ def plan(task: str, decoders: list[str], config_file: str | None, overrides: lis
     return rows
 
 
+def parse_checkpoint_args(items: list[str]) -> dict[str, str]:
+    """`--ckpt NAME=PATH` arguments -> {name: path}; a malformed or repeated one is named."""
+    checkpoints: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not (sep and name and path):
+            raise ConfigError(f"--ckpt {item!r}: expected NAME=PATH, e.g. --ckpt pipelined=run.ckpt")
+        if name in checkpoints:
+            raise ConfigError(f"--ckpt {name}=... is given twice")
+        checkpoints[name] = path
+    return checkpoints
+
+
 def training_key(cfg: DictConfig) -> str:
     """Rows that differ only in decode-time options share one trained model."""
     decode_only = decoder_class(cfg.decoder.name).decode_options
@@ -413,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     decoders = parse_decoders(args.decoders)
-    checkpoints = dict(item.split("=", 1) for item in args.ckpt)
+    checkpoints = parse_checkpoint_args(args.ckpt)
     for name in checkpoints:
         if name not in decoders:
             raise ConfigError(f"--ckpt {name}=...: {name!r} is not among --decoders {args.decoders}")

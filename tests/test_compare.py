@@ -74,3 +74,23 @@ def test_decoder_specific_override_goes_to_its_decoder_only():
     rows = compare.plan("keyphrase", ["sequential", "pipelined"], None, ["decoder.delay=2"], {})
     assert [cfg.decoder.name for cfg, _ in rows] == ["sequential", "pipelined"]
     assert rows[1][0].decoder.delay == 2 and "delay" not in rows[0][0].decoder
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_on_the_cpu_with_a_note(tmp_path):
+    """The accelerator script, exercised where there is none: the same code path on the CPU, with
+    the note saying so, one row per checkpoint and batch size."""
+    from tasks import fit, gpu_benchmark
+    paths = {name: fit.main(["--decoder", name, *TINY, *tracking(tmp_path)])["checkpoint"]
+             for name in ("sequential", "pipelined")}
+    out = tmp_path / "bench.json"
+    result = gpu_benchmark.main([f"--ckpt=sequential={paths['sequential']}",
+                                 f"--ckpt=pipelined={paths['pipelined']}", "--batch-sizes", "1,4",
+                                 "--repeats", "1", "--precision", "bf16", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["device"] == "cpu" and "not GPU figures" in result["note"]
+    assert [(r["decoder"], r["batch_size"]) for r in result["rows"]] == [
+        ("sequential", 1), ("pipelined", 1), ("sequential", 4), ("pipelined", 4)]
+    assert all(r["examples_per_second"] > 0 for r in result["rows"])
+    assert result["rows"][0]["speedup"] == 1.0
+    assert "not GPU figures" in out.with_suffix(".md").read_text()
