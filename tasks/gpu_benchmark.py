@@ -7,7 +7,9 @@ Huang et al. time T5 decoders on one RTX 4090 at batch size 1 and at a large bat
 lost in our text of the paper; 64 is the default here). This runs that comparison for any
 checkpoints written by tasks.fit: each is decoded on its own test split (the same examples for all,
 as long as they were trained on the same data), at every batch size, the decoders interleaved and
-the median of `--repeats` passes taken after a warm-up.
+the median of `--repeats` passes taken after a warm-up. When the first checkpoint is decoded
+sequentially, transformers' own greedy `generate` on the same backbone is timed beside it, and
+whether the two give the same tokens is reported.
 
 On a CUDA device: time from CUDA events around each decode (the GPU's own clock, no host sync
 inside the timed region other than the decoders' own), peak memory from `max_memory_allocated`
@@ -23,10 +25,12 @@ import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
+from decoders.base import DecodeOutput, split_flat_output
 from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoint_args
 from tasks.config import ConfigError
 from tasks.run import load_checkpoint, log, main_guard
@@ -51,6 +55,30 @@ def timed(decoder, model, batch: dict, device: torch.device, precision: str):
         started = time.perf_counter()
         out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
         return out, time.perf_counter() - started
+
+
+class TransformersGenerate:
+    """transformers' own greedy `generate` on a sequential checkpoint's backbone, as a decoder:
+    the reference the sequential decoder must match token for token and at least equal in speed."""
+
+    def __init__(self, sequential):
+        self.sequential = sequential
+
+    def generate(self, model, input_ids, attention_mask):
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             num_beams=1, max_new_tokens=self.sequential.max_new_tokens)
+        rows = [[t for t in row if t != model.config.pad_token_id] for row in out[:, 1:].tolist()]
+        split = [split_flat_output(row, self.sequential.special) for row in rows]
+        return DecodeOutput(subsequences=[subs for subs, _ in split], decoder_calls=[out.size(1) - 1] * len(rows),
+                            tokens=[len(r) for r in rows], hit_max_steps=[not e for _, e in split],
+                            batch_decoder_calls=out.size(1) - 1)
+
+
+def same_outputs(first, second, batches, device, precision) -> bool:
+    """Whether two decoders give the same subsequences on every batch."""
+    return all(timed(first.decoder, first.backbone, b, device, precision)[0].subsequences
+               == timed(second.decoder, second.backbone, b, device, precision)[0].subsequences
+               for b in batches)
 
 
 def benchmark(modules: dict, datamodule, device: torch.device, batch_sizes: list[int],
@@ -85,7 +113,10 @@ def benchmark(modules: dict, datamodule, device: torch.device, batch_sizes: list
 
 def markdown(result: dict) -> str:
     lines = [f"{result['device']}, precision {result['precision']}, {result['examples']} test "
-             f"examples, median of {result['repeats']}" + (f"; {result['note']}" if result["note"] else ""),
+             f"examples, median of {result['repeats']}" + (f"; {result['note']}" if result["note"] else "")
+             + ("" if result["sequential_equals_generate"] is None else
+                f"; sequential's tokens {'equal' if result['sequential_equals_generate'] else 'DIFFER FROM'}"
+                f" transformers generate's"),
              "", "| decoder | batch | ex/s | speedup | peak MB | calls/ex |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['decoder']} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
@@ -125,12 +156,23 @@ def main(argv: list[str] | None = None) -> dict:
         built = restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
         modules[name] = built.module.to(device).eval()
         datamodule = datamodule or built.datamodule
+    first = next(iter(modules.values()))
+    identical = None
+    if first.decoder.name == "sequential":  # transformers' generate beside it, same backbone
+        modules["transformers generate"] = SimpleNamespace(
+            decoder=TransformersGenerate(first.decoder), backbone=first.backbone)
+        test = datamodule.dataset("test").examples[:args.examples]
+        batches = [move_data_to_device(datamodule.collate(test[i:i + 16]), device)
+                   for i in range(0, len(test), 16)]
+        identical = same_outputs(first, modules["transformers generate"], batches, device,
+                                 args.precision)
     with flushed_denormals(device):
         rows = benchmark(modules, datamodule, device, batch_sizes, args.precision, args.repeats,
                          args.examples)
     examples = len(datamodule.dataset("test").examples[:args.examples])
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
-              "precision": args.precision, "repeats": args.repeats, "examples": examples, "rows": rows}
+              "precision": args.precision, "repeats": args.repeats, "examples": examples,
+              "sequential_equals_generate": identical, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -89,8 +89,10 @@ def test_gpu_benchmark_runs_on_the_cpu_with_a_note(tmp_path):
                                  "--repeats", "1", "--precision", "bf16", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["device"] == "cpu" and "not GPU figures" in result["note"]
+    names = ["sequential", "pipelined", "transformers generate"]
     assert [(r["decoder"], r["batch_size"]) for r in result["rows"]] == [
-        ("sequential", 1), ("pipelined", 1), ("sequential", 4), ("pipelined", 4)]
+        *((name, 1) for name in names), *((name, 4) for name in names)]
+    assert result["sequential_equals_generate"] is True
     assert all(r["examples_per_second"] > 0 for r in result["rows"])
     assert result["rows"][0]["speedup"] == 1.0
     assert "not GPU figures" in out.with_suffix(".md").read_text()
