@@ -23,13 +23,26 @@ Decode (Section 3, with the paper's combined scoring and proposal: one decoder c
     Generation stops at the end token (later tokens of the block are discarded) or at
     `max_new_tokens`.
 
-Batching. Rows accept different lengths, so the key/value cache cannot be cropped per row. Every
-row appends its k fed tokens to the cache each call; per row we keep the true position of each cache
-slot and whether it is alive (accepted). Rejected slots stay in the cache but are hidden by the
-self-attention bias (relative bias of query_pos - key_pos + a mask: visible iff alive and not in the
-future), which `run_decoder` adds in every layer. The rejected tail that all live rows share is
-cropped off the cache (a single example thus keeps no dead slots at all), and finished rows are
-dropped from the batch and the cache.
+Batching. Rows accept different lengths, so the key/value cache cannot be cropped per row; it is kept
+    compact instead. Before a call, row r's self-attention slots 0..n_r-1 hold its start token and
+    first n_r - 1 output tokens at their own positions (n_r = tokens it has produced; its last token
+    is fed next, at position n_r), and its slots n_r..K-1 are padding (K = max over live rows of n_r).
+    The call appends the k fed tokens (positions n_r..n_r+k-1) after slot K-1. The self-attention
+    bias is T5's relative bias of query position - key position, gathered from a table made once per
+    generate, plus a mask: visible iff the key is not in the query's future (padding slots are
+    given a far-future position, so this hides them too); `run_decoder` adds it in every layer.
+    After the call each row's accepted fed slots are gathered down to follow its own slots (only
+    slots from the smallest n_r on move; `compact_self_attention`) and the cache is cropped to the
+    new batch maximum.
+    Cache bound: between calls the self-attention cache holds exactly max over live rows of n_r
+    slots (tokens produced), during a call k more. No rejected proposal stays in it; a row's only
+    waste is its max(n) - n_r padding slots, how far the longest live row is ahead of it. Finished
+    rows leave the batch and the cache; the cross-attention cache is otherwise never touched.
+Host syncs. One per decoder call: `LiveRows.drop_finished` reads back which rows finished together
+    with every row's new n_r, which sets the next call's cache width on the host (skipped on a call
+    after which every live row is at `max_new_tokens` anyway). Everything else per call is tensor ops
+    (the tokens each row produced, `block_output`, go to a per-example buffer through the rows'
+    original indices); the results are read back once, at the end.
 """
 from __future__ import annotations
 
@@ -38,11 +51,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, at_least_float32,
-                           drop_finished_rows, encode, hidden_mask, new_cache, output_logits, relative_position_bias,
-                           run_decoder, split_on)
+from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, SpecialTokens,
+                           at_least_float32, encode, new_cache, output_logits,
+                           past_distance_bias_table, run_decoder, split_flat_output)
 from decoders.sequential import SequentialDecoder
 
 
@@ -73,18 +87,48 @@ def accepted_length(proposals: torch.Tensor, candidates: torch.Tensor) -> torch.
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
-def block_tokens(proposals: list[int], accepted: int, base_next: int, end: int,
-                 room: int) -> tuple[list[int], bool]:
-    """The tokens one iteration produces for one example, and whether it ended at `end`.
+def block_output(proposals: torch.Tensor, accepted: torch.Tensor, base_next: torch.Tensor,
+                 end: int, room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens one call produces for each row, and whether the row ended at `end`.
 
-    The `accepted` leading proposals, then the base head's own next token; cut just after the first
-    end token (what follows an end token is never output) and to `room` tokens (max_new_tokens).
+    proposals: (B, m) the fed proposals; accepted: (B,) how many of them were accepted (0..m);
+    base_next: (B,) the base head's own token after the last accepted one; room: (B,) >= 1 tokens
+    left before max_new_tokens. Per row: the `accepted` leading proposals, then `base_next`, cut just
+    after the first end token (what follows an end token is never output) and to `room` tokens.
+    Returns (B, m + 1) tokens, left-aligned, NOT_PRODUCED after the row's last one; and (B,) bool.
     """
-    tokens = proposals[:accepted] + [base_next]
-    if end in tokens:
-        tokens = tokens[: tokens.index(end) + 1]
-    tokens = tokens[:room]
-    return tokens, bool(tokens) and tokens[-1] == end
+    offset = torch.arange(proposals.size(1) + 1, device=proposals.device)          # (m + 1,)
+    tokens = torch.where(offset < accepted[:, None],
+                         torch.cat([proposals, base_next[:, None]], dim=1), base_next[:, None])
+    is_end = tokens == end                                                          # (B, m + 1)
+    after_end = (is_end.long().cumsum(dim=1) - is_end.long()) > 0                   # an earlier end token
+    kept = (offset <= accepted[:, None]) & (offset < room[:, None]) & ~after_end
+    return tokens.masked_fill(~kept, NOT_PRODUCED), (kept & is_end).any(dim=1)
+
+
+def compact_self_attention(cache: EncoderDecoderCache, own: torch.Tensor, cached: int, lowest: int,
+                           width: int) -> None:
+    """Move each row's accepted block down to follow its own slots, and crop the cache to `width`.
+
+    Before: row r's first own[r] self-attention slots are its own (padding up to slot `cached`),
+    then come the slots of the block this call appended. After: row r's slot s is its old slot s for
+    s < own[r] and block slot s - own[r] after that; so its accepted block slots follow its own and
+    the slots past them are padding (copies, hidden by the next calls' bias). Slots below `lowest`
+    (<= every own[r]) are already in place and are not copied. The cross-attention cache is not
+    touched. own: (live,) longs; cached, lowest, width: host ints (width >= every row's new count).
+    """
+    layers = cache.self_attention_cache.layers
+    length = layers[0].keys.size(2)                                   # cached + block
+    if lowest < cached:  # some row had padding: its block moves down
+        slot = torch.arange(lowest, width, device=own.device)        # (T,) destination slots
+        source = torch.where(slot < own[:, None], slot, cached + slot - own[:, None])  # (live, T)
+        source = source.clamp(max=length - 1)                        # past the block: padding
+        for layer in layers:
+            # keys, values: (live, heads, length, d_kv); gather copies before the slice is written
+            index = source[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(3))
+            layer.keys[:, :, lowest:width] = layer.keys.gather(2, index)
+            layer.values[:, :, lowest:width] = layer.values.gather(2, index)
+    cache.crop(width - length)                                       # a negative count: drop the tail
 
 
 @register("blockwise")
@@ -144,30 +188,38 @@ class BlockwiseDecoder(Decoder):
     # ---- generation --------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        k, end, device = self.block_size, self.special.eos, input_ids.device
-        batch_size = input_ids.size(0)
+        k, end, bound = self.block_size, self.special.eos, self.max_new_tokens
+        batch_size, device = input_ids.size(0), input_ids.device
         encoder_states = encode(model, input_ids, attention_mask)   # (B, S, d_model), once
+        # T5's bias of every past distance a call can meet (a query sits below position bound + k),
+        # made once: each call only gathers from it.
+        table = past_distance_bias_table(model, bound + k)         # (bound + k + 1, heads)
+        positions = torch.arange(bound + k, device=device)          # sliced below, never rebuilt
         cache = new_cache()
-        rows = torch.arange(batch_size, device=device)              # original index of each live row
-        # Per live row, every self-attention cache slot: its true position and whether it is alive
-        # (rejected proposals stay in the cache, hidden, unless all rows can crop them).
-        slot_pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)    # (live, K)
-        slot_alive = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (live, K)
+        rows = LiveRows(batch_size, device)
+        # Per original example, read back once at the end. A live row has produced < bound tokens
+        # and writes at most k more, so bound + k - 1 columns hold every write.
+        produced = torch.full((batch_size, bound + k - 1), NOT_PRODUCED, dtype=torch.long, device=device)
+        calls = torch.zeros(batch_size, dtype=torch.long, device=device)                 # (B,) calls taken
+        # Per live row: tokens produced so far (= its own cache slots = position of fed[:, 0]), on
+        # the device and, read back with each stop check, on the host (for the cache's shape).
+        count = torch.zeros(batch_size, dtype=torch.long, device=device)                 # (live,)
+        counts = [0] * batch_size
+        cached = 0  # self-attention cache slots before the call = max(counts)
         # The first call feeds only the start token b at position 0 (no proposals yet); every later
-        # call feeds a block of k: [last accepted token, k-1 proposals].
+        # call feeds a block of k: [last produced token, k-1 proposals].
         fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)  # (live, Q)
-        fed_pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)                   # (live, Q)
-        produced: list[list[int]] = [[] for _ in range(batch_size)]
-        calls = [0] * batch_size
-        ended = [False] * batch_size
         batch_calls = 0
         while True:
-            key_pos = torch.cat([slot_pos, fed_pos], dim=1)          # (live, K + Q)
-            key_alive = torch.cat([slot_alive, torch.ones_like(fed, dtype=torch.bool)], dim=1)
-            distance = fed_pos[:, :, None] - key_pos[:, None, :]     # (live, Q, K + Q)
-            visible = key_alive[:, None, :] & (distance >= 0)
-            bias = relative_position_bias(model, distance.clamp(min=0))  # (live, heads, Q, K + Q)
-            bias = bias + hidden_mask(visible, bias.dtype)
+            offset = positions[: fed.size(1)]                                             # (Q,)
+            fed_pos = count[:, None] + offset                                             # (live, Q)
+            # Slot i < count holds position i; a padding slot is placed in the far future, so
+            # that "visible iff not in the future" hides it as well.
+            slot = positions[:cached]                                                     # (K,)
+            key_pos = torch.cat([torch.where(slot < count[:, None], slot, bound + k), fed_pos], dim=1)
+            distance = fed_pos[:, :, None] - key_pos[:, None, :]                          # (live, Q, K + Q)
+            bias = table[distance.clamp(min=0)].permute(0, 3, 1, 2)                       # (live, heads, Q, K + Q)
+            bias = bias.masked_fill((distance < 0)[:, None], torch.finfo(bias.dtype).min)
             hidden = run_decoder(model, fed, bias, encoder_states, attention_mask, cache)  # (live, Q, d)
             batch_calls += 1
 
@@ -188,48 +240,39 @@ class BlockwiseDecoder(Decoder):
             last_state = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.size(-1)))  # (live, 1, d)
             proposals = self.proposal_logits(model, last_state.squeeze(1)).argmax(-1)       # (live, k-1)
 
-            finished = []
-            for row, fed_row, n, nxt in zip(rows.tolist(), fed.tolist(), accepted.tolist(),
-                                            base_next.tolist()):
-                tokens, ended[row] = block_tokens(fed_row[1:], n, nxt, end,
-                                                  self.max_new_tokens - len(produced[row]))
-                produced[row].extend(tokens)
-                calls[row] += 1
-                finished.append(ended[row] or len(produced[row]) >= self.max_new_tokens)
-            finished = torch.tensor(finished, device=device)
-
-            # The fed slots join the cache: alive up to the last accepted one, rejected after it.
-            slot_pos = torch.cat([slot_pos, fed_pos], dim=1)
-            slot_alive = torch.cat(
-                [slot_alive, torch.arange(fed.size(1), device=device)[None, :] <= last], dim=1)
-            rejected = fed.size(1) - 1 - accepted                    # (live,) dead tail of this block
-            # Next block: the base head's token right after the last accepted one, then proposals.
-            fed = torch.cat([base_next[:, None], proposals], dim=1)  # (live, k)
-            fed_pos = fed_pos.gather(1, last) + 1 + torch.arange(k, device=device)[None, :]
-            if finished.all():
+            tokens, ended = block_output(fed[:, 1:], accepted, base_next, end, bound - count)  # (live, Q), (live,)
+            produced[rows.index[:, None], count[:, None] + offset] = tokens
+            calls[rows.index] = batch_calls  # rows are live from the first call until they leave
+            new_count = count + (tokens != NOT_PRODUCED).sum(dim=1)  # (live,)
+            if min(counts) + 1 >= bound:
+                break  # every live row reaches max_new_tokens with this call: nothing to read back
+            # The one sync of the call. A row that goes on took its block up to `accepted` whole
+            # (no end token, no cut), so after compaction its own slots are exactly new_count.
+            kept = rows.drop_finished(ended | (new_count >= bound), cache, encoder_states,
+                                      attention_mask, base_next, proposals, count, new_count,
+                                      also=new_count)
+            if kept is None:
                 break
-            if finished.any():
-                keep = (~finished).nonzero().squeeze(1)
-                (encoder_states, attention_mask, rows, slot_pos, slot_alive, fed, fed_pos,
-                 rejected) = drop_finished_rows(cache, keep, encoder_states, attention_mask, rows,
-                                                slot_pos, slot_alive, fed, fed_pos, rejected)
-            # The rejected tail every live row shares can leave the cache for good.
-            crop = int(rejected.min())
-            if crop:
-                cache.crop(-crop)
-                slot_pos, slot_alive = slot_pos[:, :-crop], slot_alive[:, :-crop]
+            encoder_states, attention_mask, base_next, proposals, own, count = kept
+            # next block: the base head's token after the last accepted one, then the proposals
+            fed = torch.cat([base_next[:, None], proposals], dim=1)  # (live, k)
+            lowest, counts = min(counts), rows.values
+            compact_self_attention(cache, own, cached, lowest, max(counts))
+            cached = max(counts)
 
+        read = torch.cat([calls[:, None], produced], dim=1).tolist()  # the one read-back of results
+        outputs = [[t for t in row[1:] if t != NOT_PRODUCED] for row in read]
+        split = [split_flat_output(tokens, self.special) for tokens in outputs]
         return DecodeOutput(
-            subsequences=[split_on(p[:-1] if e else p, self.special.sep)
-                          for p, e in zip(produced, ended)],
-            decoder_calls=calls,
-            tokens=[len(p) for p in produced],
-            hit_max_steps=[not e for e in ended],
+            subsequences=[subsequences for subsequences, _ in split],
+            decoder_calls=[row[0] for row in read],
+            tokens=[len(tokens) for tokens in outputs],
+            hit_max_steps=[not ended for _, ended in split],
             batch_decoder_calls=batch_calls,
             # mean accepted tokens per call = accepted_tokens / blockwise_iterations
             #                                 (= sum(tokens) / sum(decoder_calls))
-            stats={"accepted_tokens": float(sum(len(p) for p in produced)),
-                   "blockwise_iterations": float(sum(calls))},
+            stats={"accepted_tokens": float(sum(len(tokens) for tokens in outputs)),
+                   "blockwise_iterations": float(sum(row[0] for row in read))},
         )
 
 

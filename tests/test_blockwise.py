@@ -1,13 +1,16 @@
 """Blockwise parallel decoding: exact acceptance reproduces sequential greedy decoding token for
-token (alone and in batches where rows accept different lengths), the acceptance rule itself, the
-summed k-head loss, and checkpoint compatibility with the sequential decoder."""
+token (alone and in batches where rows accept different lengths), the acceptance rule itself, one
+host sync per decoder call, a self-attention cache no longer than the longest live row and holding
+the right states, the summed k-head loss, and checkpoint compatibility with the sequential decoder."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+import decoders.blockwise as blockwise_module
 from decoders import available, build_decoder, decoder_class
-from decoders.base import Decoder, output_logits
-from decoders.blockwise import accepted_length, block_tokens
+from decoders.base import NOT_PRODUCED, Decoder, output_logits
+from decoders.blockwise import accepted_length, block_output
+from tasks.sync_points import counting_sync_points
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
@@ -77,16 +80,20 @@ def trained():
     return model, decoder.eval()
 
 
-def test_matches_sequential_after_training_and_accepts_proposals(trained):
-    model, decoder = trained
-
+def exercised_batch(model, decoder):
+    """The first seeded batch of 8 on which the trained blockwise decoder accepts proposals."""
     def exercised(input_ids, attention_mask):
         """acceptance really exercised: more than one token per call on average, and rows of the
         same batch accepting different amounts (so the per-row cache masking matters)"""
         out = decoder.generate(model, input_ids, attention_mask)
         return (out.stats["accepted_tokens"] / out.stats["blockwise_iterations"] > 1
                 and len({t - c for t, c in zip(out.tokens, out.decoder_calls)}) > 1)
-    input_ids, attention_mask = first_batch_where(exercised, 8, max_len=9, seed=77)
+    return first_batch_where(exercised, 8, max_len=9, seed=77)
+
+
+def test_matches_sequential_after_training_and_accepts_proposals(trained):
+    model, decoder = trained
+    input_ids, attention_mask = exercised_batch(model, decoder)
     out = decoder.generate(model, input_ids, attention_mask)
     ref = sequential(model, 20).generate(model, input_ids, attention_mask)
     assert_same_output(out, ref)
@@ -121,24 +128,38 @@ def test_accepted_length_top_k():
     assert accepted_length(proposals, top2[..., :1]).tolist() == [0]
 
 
-def test_block_tokens():
-    assert block_tokens([5, 6, 7], 0, 9, EOS, room=10) == ([9], False)
-    assert block_tokens([5, 6, 7], 2, 9, EOS, room=10) == ([5, 6, 9], False)
-    assert block_tokens([5, 6, 7], 3, 9, EOS, room=10) == ([5, 6, 7, 9], False)
-    # an accepted end token ends the example: the rest of the block and the base token are dropped
-    assert block_tokens([5, EOS, 7], 3, 9, EOS, room=10) == ([5, EOS], True)
-    assert block_tokens([5, 6, 7], 2, EOS, EOS, room=10) == ([5, 6, EOS], True)
-    # max_new_tokens cuts the block
-    assert block_tokens([5, 6, 7], 3, 9, EOS, room=2) == ([5, 6], False)
+def test_block_output():
+    """One row per case, all in one batch (rows of a batch differ in what they accept)."""
+    cases = [  # proposals, accepted, base token, room -> tokens, ended
+        ([5, 6, 7], 0, 9, 10, [9], False),
+        ([5, 6, 7], 2, 9, 10, [5, 6, 9], False),
+        ([5, 6, 7], 3, 9, 10, [5, 6, 7, 9], False),
+        # an accepted end token ends the example: the rest of the block and the base token are dropped
+        ([5, EOS, 7], 3, 9, 10, [5, EOS], True),
+        ([5, 6, 7], 2, EOS, 10, [5, 6, EOS], True),
+        # an end token among the rejected proposals does not count
+        ([5, 6, EOS], 2, 9, 10, [5, 6, 9], False),
+        # max_new_tokens cuts the block, before or after an end token
+        ([5, 6, 7], 3, 9, 2, [5, 6], False),
+        ([5, 6, EOS], 3, 9, 2, [5, 6], False),
+        ([5, EOS, 7], 3, 9, 2, [5, EOS], True),
+    ]
+    proposals, accepted, base, room = (torch.tensor([case[i] for case in cases]) for i in range(4))
+    tokens, ended = block_output(proposals, accepted, base, EOS, room)
+    assert tokens.shape == (len(cases), 4)
+    for row, case in zip(tokens.tolist(), cases):
+        expected = case[4]
+        assert row == expected + [NOT_PRODUCED] * (4 - len(expected))  # left-aligned, nothing after
+    assert ended.tolist() == [case[-1] for case in cases]
 
 
 CHAIN = [10, 11, 12, 13, 14, 15, 16, 17, EOS]  # what the rigged model greedily decodes
 
 
-def rigged_model():
+def rigged_model(chain=CHAIN):
     """A T5 whose decoder ignores context (attention outputs zeroed), so its next token is a fixed
     function `successor` of the current one, with an output layer rigged so that greedy decoding
-    from the start token yields CHAIN."""
+    from the start token yields `chain` (distinct tokens)."""
     model = tiny_t5(0)
     # untie the output layer from the embeddings, so rigging it leaves the decoder's states alone
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
@@ -151,7 +172,7 @@ def rigged_model():
                                ).last_hidden_state[:, 0]                      # (V, d): state of each token
         # row successor(t) of the output layer points along t's state: argmax = successor (Cauchy-Schwarz)
         model.lm_head.weight.zero_()
-        for current, nxt in zip([SPECIAL.start] + CHAIN[:-1], CHAIN):
+        for current, nxt in zip([SPECIAL.start] + chain[:-1], chain):
             model.lm_head.weight[nxt] = 100 * hidden[current] / hidden[current].norm()
         successor = output_logits(model, hidden).argmax(-1)                   # (V,)
     return model, successor
@@ -224,7 +245,144 @@ def test_top_k_approximate_acceptance():
     assert exact.subsequences == [[CHAIN[:-1]]] * 3
 
 
-# ---- 3. alone equals in a batch -----------------------------------------------------------------
+# ---- 3. lean decoding: host syncs, the cache's bound and content ---------------------------------
+
+def test_one_host_sync_per_decoder_call(trained):
+    """The stop check is the only host sync in the loop; the encoder (inside transformers) and the
+    final read-back of the results add one each per generate."""
+    model, decoder = trained
+    input_ids, attention_mask = exercised_batch(model, decoder)   # decodes: lazy inits are done
+    with counting_sync_points() as counter:
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert len(set(out.decoder_calls)) > 1                        # rows left the batch at different calls
+    assert counter.count <= out.batch_decoder_calls + 2
+
+
+LONG_CHAIN = list(range(10, 50)) + [EOS]
+
+
+def test_self_attention_cache_holds_no_more_than_the_longest_live_row():
+    """Rows that accept in turns: at every call one row accepts its whole block and another none,
+    so the batch maximum of accepted tokens grows by about (k + 1) / 2 per call while some row
+    always fills a whole block. The cache before each call must hold no more slots than the live
+    row with the most tokens produced so far (the bound in the module docstring), i.e. no rejected
+    proposals and no padding beyond the batch maximum. On the rigged model the first fed token of a
+    row tells how many tokens it has produced (its index in the chain + 1; the start token: 0)."""
+    model, successor = rigged_model(LONG_CHAIN)
+    k = 4
+    decoder = blockwise(model, block_size=k, max_new_tokens=len(LONG_CHAIN))
+    calls = [0]
+
+    def proposal_logits(model, hidden):                                      # hidden: (live, d)
+        token = output_logits(model, hidden).argmax(-1)                      # (live,) = token t+1
+        proposals = []
+        for _ in range(k - 1):
+            token = successor[token]
+            proposals.append(token)
+        proposals = torch.stack(proposals, -1)                               # (live, k-1): all true
+        wrong = (torch.arange(len(proposals)) + calls[0]) % 2 == 1           # every other row, in turns
+        proposals[wrong, 0] = (proposals[wrong, 0] + 1) % VOCAB              # first one wrong: none accepted
+        calls[0] += 1
+        return F.one_hot(proposals, VOCAB).float()
+    decoder.proposal_logits = proposal_logits
+
+    seen = []  # per call: (self-attention cache slots before it, tokens produced by each live row)
+    real_run_decoder = blockwise_module.run_decoder
+
+    def recording_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache=None, **kw):
+        first = input_ids[:, 0].tolist()
+        produced = [0 if t == SPECIAL.start else LONG_CHAIN.index(t) + 1 for t in first]
+        seen.append((cache.self_attention_cache.get_seq_length(), produced))
+        return real_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, **kw)
+
+    input_ids, attention_mask = random_batch(3, seed=5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blockwise_module, "run_decoder", recording_run_decoder)
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert out.subsequences == [[LONG_CHAIN[:-1]]] * 3                      # still the greedy chain
+    assert len(seen) == out.batch_decoder_calls
+    # not vacuous: the live rows were at different lengths at 8 or more calls
+    assert sum(max(produced) > min(produced) for _, produced in seen) >= 8
+    for call, (cached, produced) in enumerate(seen):
+        assert cached <= max(produced), f"call {call}: {cached} slots for rows at {produced}"
+
+
+def test_every_accepted_state_equals_the_teacher_forced_one():
+    """The compacted cache holds the right keys at the right places: at every call, the decoder
+    state of every fed position a row keeps equals the state of a plain (uncached) decoder run over
+    the row's greedy output, on a random model whose states depend on the whole context. Oracle
+    heads make row r accept (r + call) % k proposals, so live rows sit at different lengths and the
+    compaction moves slots at most calls."""
+    model = tiny_t5(0)
+    k, bound = 4, 20
+
+    def greedy(input_ids, attention_mask):
+        """per example: b, y_1, ... up to and including its end token (or the bound)"""
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             num_beams=1, max_new_tokens=bound).tolist()
+        return [row[: row.index(EOS, 1) + 1] if EOS in row[1:] else row for row in out]
+
+    def varied(input_ids, attention_mask):
+        """rows end at 3 or more different lengths and 2 or more run to the bound (rows leave the
+        batch while others go on being compacted)"""
+        lengths = [len(seq) for seq in greedy(input_ids, attention_mask)]
+        return len(set(lengths)) >= 3 and lengths.count(bound + 1) >= 2
+    input_ids, attention_mask = first_batch_where(varied, 6, seed=20)
+    sequences = greedy(input_ids, attention_mask)
+    with torch.no_grad():
+        encoder_states = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        teacher = [model.decoder(input_ids=torch.tensor([seq]), encoder_hidden_states=encoder_states[r:r + 1],
+                                 encoder_attention_mask=attention_mask[r:r + 1]).last_hidden_state[0]
+                   for r, seq in enumerate(sequences)]                      # (len, d) per example
+
+    position = [0] * len(sequences)   # per example: tokens produced so far = position of fed[:, 0]
+    next_proposals = []               # per live row, for the heads: (example, its new position)
+    calls, moved_calls, compared = [0], [0], [0]
+    real_run_decoder = blockwise_module.run_decoder
+
+    def checking_run_decoder(model, fed, self_bias, live_states, *args, **kwargs):
+        hidden = real_run_decoder(model, fed, self_bias, live_states, *args, **kwargs)  # (live, Q, d)
+        calls[0] += 1
+        # which example each live row is: the one whose encoder output it carries
+        examples = [(row - encoder_states).abs().flatten(1).amax(1).argmin().item() for row in live_states]
+        moved_calls[0] += len({position[r] for r in examples}) > 1
+        next_proposals.clear()
+        for i, (r, block) in enumerate(zip(examples, fed.tolist())):
+            seq, n = sequences[r], position[r]
+            assert block[0] == seq[n]
+            accepted = 0
+            while accepted + 1 < len(block) and n + accepted + 1 < len(seq) \
+                    and block[accepted + 1] == seq[n + accepted + 1]:
+                accepted += 1
+            for j in range(accepted + 1):                                    # the kept positions
+                if n + j < len(seq):
+                    torch.testing.assert_close(hidden[i, j], teacher[r][n + j], rtol=0, atol=1e-9)
+                    compared[0] += 1
+            position[r] = n + accepted + 1
+            next_proposals.append((r, position[r]))
+        return hidden
+
+    def oracle_proposal_logits(model, hidden):                               # hidden: (live, d)
+        proposals = []
+        for r, n in next_proposals:
+            seq = sequences[r]
+            right = (r + calls[0]) % k                                       # proposals to get right
+            row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 5 for j in range(k - 1)]
+            proposals.append([t if j < right else (t + 1) % VOCAB for j, t in enumerate(row)])
+        return F.one_hot(torch.tensor(proposals), VOCAB).to(hidden.dtype)
+
+    decoder = blockwise(model, block_size=k, max_new_tokens=bound)
+    decoder.proposal_logits = oracle_proposal_logits
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blockwise_module, "run_decoder", checking_run_decoder)
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, bound).generate(model, input_ids, attention_mask))
+    # not vacuous: live rows at different lengths at most calls, many states compared
+    assert moved_calls[0] >= out.batch_decoder_calls // 2 and compared[0] >= sum(out.tokens)
+    assert len({t - c for t, c in zip(out.tokens, out.decoder_calls)}) > 1
+
+
+# ---- 4. alone equals in a batch -----------------------------------------------------------------
 
 def test_alone_equals_in_batch():
     model = tiny_t5(1)
@@ -233,7 +391,7 @@ def test_alone_equals_in_batch():
     assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
 
-# ---- 4. loss ------------------------------------------------------------------------------------
+# ---- 5. loss ------------------------------------------------------------------------------------
 
 TARGETS = [[[7, 8], [9, 10, 11]], [[12]]]
 
@@ -282,7 +440,7 @@ def test_heads_are_submodules_and_start_as_the_base_head():
     assert torch.equal(proposals, output_logits(model, hidden)[:, None].expand(-1, 4, -1))
 
 
-# ---- 5. checkpoints, options, config ------------------------------------------------------------
+# ---- 6. checkpoints, options, config ------------------------------------------------------------
 
 def test_sequential_can_decode_a_blockwise_checkpoint():
     seq, bw = decoder_class("sequential"), decoder_class("blockwise")
