@@ -176,15 +176,6 @@ def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor)
         layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
 
-def drop_finished_rows(cache: EncoderDecoderCache | None, keep: torch.Tensor,
-                       *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Keep only batch rows `keep` (1-D long) in the cache and in each tensor, so that finished
-    examples cost nothing in later decoder calls."""
-    if cache is not None:
-        cache.batch_select_indices(keep)
-    return tuple(t[keep] for t in row_tensors)
-
-
 def read_back(*tensors: torch.Tensor) -> list[list]:
     """Every tensor's values as (nested) lists, in ONE device -> host transfer (one sync point):
     a decode's results are read back once, at the end."""

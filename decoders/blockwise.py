@@ -31,8 +31,8 @@ Batching. Rows accept different lengths, so the key/value cache cannot be croppe
     bias is T5's relative bias of query position - key position, gathered from a table made once per
     generate, plus a mask: visible iff the key is not in the query's future (padding slots are
     given a far-future position, so this hides them too); `run_decoder` adds it in every layer.
-    After the call each row's accepted fed slots are gathered down to follow its own slots (only
-    slots from the smallest n_r on move; `compact_self_attention`) and the cache is cropped to the
+    After the call each row's accepted fed slots are gathered down to follow its own slots
+    (`block_after_own_slots`, `base.gather_self_attention_cache`) and the cache is cropped to the
     new batch maximum.
     Cache bound: between calls the self-attention cache holds exactly max over live rows of n_r
     slots (tokens produced), during a call k more. No rejected proposal stays in it; a row's only
@@ -55,8 +55,8 @@ from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
 from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, SpecialTokens,
-                           at_least_float32, encode, new_cache, output_logits,
-                           past_distance_bias_table, run_decoder, split_flat_output)
+                           at_least_float32, encode, gather_self_attention_cache, new_cache,
+                           output_logits, past_distance_bias_table, run_decoder, split_flat_output)
 from decoders.sequential import SequentialDecoder
 
 
@@ -106,29 +106,18 @@ def block_output(proposals: torch.Tensor, accepted: torch.Tensor, base_next: tor
     return tokens.masked_fill(~kept, NOT_PRODUCED), (kept & is_end).any(dim=1)
 
 
-def compact_self_attention(cache: EncoderDecoderCache, own: torch.Tensor, cached: int, lowest: int,
-                           width: int) -> None:
-    """Move each row's accepted block down to follow its own slots, and crop the cache to `width`.
+def block_after_own_slots(own: torch.Tensor, cached: int, length: int, width: int) -> torch.Tensor:
+    """(live, width) cache slot each row keeps, in order, for `gather_self_attention_cache`.
 
     Before: row r's first own[r] self-attention slots are its own (padding up to slot `cached`),
-    then come the slots of the block this call appended. After: row r's slot s is its old slot s for
-    s < own[r] and block slot s - own[r] after that; so its accepted block slots follow its own and
-    the slots past them are padding (copies, hidden by the next calls' bias). Slots below `lowest`
-    (<= every own[r]) are already in place and are not copied. The cross-attention cache is not
-    touched. own: (live,) longs; cached, lowest, width: host ints (width >= every row's new count).
+    then come the slots of the block this call appended (the cache is `length` long). After: its
+    slot s is its old slot s for s < own[r] and block slot s - own[r] after that, so its accepted
+    block slots follow its own; slots past them are padding (copies, hidden by the next calls'
+    bias). own: (live,) longs; cached, length, width: host ints (width >= every row's new count).
     """
-    layers = cache.self_attention_cache.layers
-    length = layers[0].keys.size(2)                                   # cached + block
-    if lowest < cached:  # some row had padding: its block moves down
-        slot = torch.arange(lowest, width, device=own.device)        # (T,) destination slots
-        source = torch.where(slot < own[:, None], slot, cached + slot - own[:, None])  # (live, T)
-        source = source.clamp(max=length - 1)                        # past the block: padding
-        for layer in layers:
-            # keys, values: (live, heads, length, d_kv); gather copies before the slice is written
-            index = source[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(3))
-            layer.keys[:, :, lowest:width] = layer.keys.gather(2, index)
-            layer.values[:, :, lowest:width] = layer.values.gather(2, index)
-    cache.crop(width - length)                                       # a negative count: drop the tail
+    slot = torch.arange(width, device=own.device)                        # (width,)
+    source = torch.where(slot < own[:, None], slot, cached + slot - own[:, None])
+    return source.clamp(max=length - 1)                                  # past the block: padding
 
 
 @register("blockwise")
@@ -256,8 +245,9 @@ class BlockwiseDecoder(Decoder):
             encoder_states, attention_mask, base_next, proposals, own, count = kept
             # next block: the base head's token after the last accepted one, then the proposals
             fed = torch.cat([base_next[:, None], proposals], dim=1)  # (live, k)
-            lowest, counts = min(counts), rows.values
-            compact_self_attention(cache, own, cached, lowest, max(counts))
+            counts = rows.values
+            gather_self_attention_cache(cache, block_after_own_slots(
+                own, cached, cache.get_seq_length(), max(counts)))
             cached = max(counts)
 
         read = torch.cat([calls[:, None], produced], dim=1).tolist()  # the one read-back of results
