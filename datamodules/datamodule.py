@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from datamodules import tokenizer as tok
-from datamodules.schema import DataError, schema_for, target_texts
+from datamodules.schema import DataError, has_source, schema_for, target_texts
 from datamodules.sources import SPLITS, load_split
 from decoders.base import pad_batch
 
@@ -34,13 +34,14 @@ class Encoded:
 
 @dataclass
 class DataReport:
-    """What the length limits cut, and how many examples have no target, per split; reported once
-    and logged to MLflow."""
+    """What the length limits cut, and how many examples have no source or no target, per split;
+    reported once and logged to MLflow."""
 
     sources_truncated: int = 0
     subsequences_truncated: int = 0
     subsequences_dropped: int = 0
     empty_targets: int = 0
+    empty_sources: int = 0
     examples: int = 0
 
     def any(self) -> bool:
@@ -113,12 +114,22 @@ class SubsequenceDataModule(L.LightningDataModule):
         if self.tokenizer is None and self.model_cfg.name != "t5-tiny":
             # needs no data: a bad model.hub_id fails before any is read (or downloaded)
             self.tokenizer = tok.load_pretrained(self.model_cfg.hub_id)
+        if self.tokenizer is None:  # t5-tiny's, trained below
+            tok.cache_folder(self.data.tokenizer_cache)  # checked before the data is read
         self.load_records()
         if self.tokenizer is None:
             self.tokenizer = self._train_tokenizer()
         for split in SPLITS:
             self._encoded[split], self.report[split] = self._encode(self._records[split])
             report = self.report[split]
+            if report.empty_sources == report.examples:  # nothing to learn, select by or score
+                raise DataError(f"{split} split: all {report.examples} examples have an empty source "
+                                f"(fields {', '.join(schema_for(self.task).source_fields)})")
+            if report.empty_sources:
+                log.warning("%s split: %d of %d examples have an empty source (fields %s): there is "
+                            "nothing to generate their targets from", split,
+                            report.empty_sources, report.examples,
+                            ", ".join(schema_for(self.task).source_fields))
             if report.empty_targets == report.examples and split != "test":
                 # nothing to learn from or to select a checkpoint by (the test split may be unlabelled)
                 raise DataError(f"{split} split: all {report.examples} examples have empty targets "
@@ -149,6 +160,7 @@ class SubsequenceDataModule(L.LightningDataModule):
         limit = self.data.max_source_length - 1  # room for the end token T5 appends to its input
         examples = []
         for index, (record, source) in enumerate(zip(records, sources)):
+            report.empty_sources += not has_source(self.task, record)
             if len(source) > limit:
                 report.sources_truncated += 1
                 source = source[:limit]

@@ -25,6 +25,7 @@ class TaskSchema:
     fields: dict[str, type]            # field name -> required type (list means list of str)
     target_field: str                  # the field holding the target subsequences
     source_text: Callable[[dict], str]  # record -> text the encoder reads
+    source_fields: tuple[str, ...]      # the fields that text is made of: all blank = no source
     # checked only when present; dict means str -> list of str
     optional_fields: dict[str, type] = field(default_factory=dict)
 
@@ -34,17 +35,20 @@ SCHEMAS: dict[str, TaskSchema] = {
         fields={"id": str, "title": str, "abstract": str, "keyphrases": list},
         target_field="keyphrases",
         source_text=lambda r: f"{r['title']} {r['abstract']}".strip(),
+        source_fields=("title", "abstract"),
         optional_fields={"aliases": dict},
     ),
     "qa": TaskSchema(
         fields={"id": str, "question": str, "context": str, "answers": list},
         target_field="answers",
         source_text=lambda r: f"question: {r['question']} context: {r['context']}",
+        source_fields=("question", "context"),  # WikiHowQA has questions without context
     ),
     "summarization": TaskSchema(
         fields={"id": str, "document": str, "summary": list},
         target_field="summary",
         source_text=lambda r: r["document"],
+        source_fields=("document",),
     ),
 }
 
@@ -88,6 +92,23 @@ def _check_type(value: object, name: str, kind: type, where: str) -> None:
                             f"got {value!r:.80}")
     elif not isinstance(value, kind):
         raise DataError(f"{where}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+
+
+def has_source(task: str, record: dict) -> bool:
+    """Whether a record has any source text (the template around it aside)."""
+    return any(record[name].strip() for name in schema_for(task).source_fields)
+
+
+def check_unique_ids(records: list[dict], split: str, where: Callable[[int], str]) -> None:
+    """Refuse a split in which two records share an id: predictions, references and scores are
+    matched by it. `where(i)` names the place of record i ("line 7", "position 7")."""
+    first: dict[str, int] = {}
+    for i, record in enumerate(records):
+        if record["id"] in first:
+            raise DataError(f"{split} split: id {record['id']!r} is used twice, at "
+                            f"{where(first[record['id']])} and at {where(i)}; ids must be unique "
+                            f"within a split")
+        first[record["id"]] = i
 
 
 def target_texts(task: str, record: dict) -> list[str]:

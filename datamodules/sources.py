@@ -9,20 +9,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from datamodules.schema import DataError, validate_record
+from datamodules.schema import DataError, check_unique_ids, validate_record
 
 SPLITS = ("train", "validation", "test")
 LOCAL_SOURCES = ("builtin", "jsonl")
 
 
 def read_jsonl(path: Path, task: str) -> list[dict]:
-    """Read and validate one JSONL split; errors name the file and line."""
+    """Read and validate one JSONL split (`<split>.jsonl`); errors name the file and line."""
     if not path.is_file():
         present = sorted(p.name for p in path.parent.glob("*.jsonl")) if path.parent.is_dir() else []
         raise DataError(f"missing split file {path} (a jsonl folder needs "
                         f"{', '.join(s + '.jsonl' for s in SPLITS)}; found: "
                         f"{', '.join(present) or 'none'})")
-    records = []
+    records, lines = [], []
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path} line {number}"
@@ -37,8 +37,10 @@ def read_jsonl(path: Path, task: str) -> list[dict]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from err
             records.append(validate_record(task, record, where))
+            lines.append(number)
     if not records:
         raise DataError(f"split file {path} holds no records")
+    check_unique_ids(records, path.stem, lambda i: f"{path} line {lines[i]}")
     return records
 
 
@@ -48,7 +50,7 @@ def load_split(task: str, data: DictConfig, split: str) -> list[dict]:
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
     limit = data.get("max_train_examples" if split == "train" else "max_eval_examples")
-    if data.source in LOCAL_SOURCES:
+    if data.source in LOCAL_SOURCES:  # read_jsonl checks the ids; the built-in ones are unique
         return _local_split(task, data, split)[:limit]
     from datamodules.hub import HUB_DATASETS, load_hub
     if data.source not in HUB_DATASETS:
@@ -58,7 +60,9 @@ def load_split(task: str, data: DictConfig, split: str) -> list[dict]:
     if hub_task != task:
         raise DataError(f"data={data.source} is a {hub_task} dataset, but task={task}")
     # The hub loader applies the limit before downloading, not after.
-    return load_hub(data.source, split, cache_dir=data.get("cache_dir"), limit=limit)
+    records = load_hub(data.source, split, cache_dir=data.get("cache_dir"), limit=limit)
+    check_unique_ids(records, split, lambda i: f"record {i} (counted from 0) of data={data.source}")
+    return records
 
 
 def _local_split(task: str, data: DictConfig, split: str) -> list[dict]:

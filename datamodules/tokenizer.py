@@ -4,13 +4,17 @@ the hub or from a local folder).
 Both follow T5's conventions (pad=0, eos=1, unk=2) and carry two extra special tokens the decoders
 need: `<sep>` (joins subsequences in the flat layout) and `<mask>` (non-autoregressive decoding).
 A trained tokenizer is cached on disk under a key made of the training texts and the settings, so a
-second run with the same data reuses it instead of training again. Either kind is stored in a
-checkpoint (`serialize`) and rebuilt from it (`from_serialized`), so that a checkpoint is used
-without the model's folder or the hub.
+second run with the same data reuses it instead of training again. It writes any text: a character
+it did not see in training is written as its UTF-8 bytes (byte fallback), and decoding gives back
+the text as it was (no normalization), U+2581 "▁" aside, which reads back as a space (it stands for
+one in the pieces). Special-token names in a text ("</s>", "<sep>") are text, not special tokens.
+Either kind is stored in a checkpoint (`serialize`) and rebuilt from it (`from_serialized`), so that
+a checkpoint is used without the model's folder or the hub.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -27,7 +31,11 @@ log = logging.getLogger(__name__)
 
 PAD, EOS, UNK, SEP, MASK = "<pad>", "</s>", "<unk>", "<sep>", "<mask>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, SEP, MASK]  # ids 0..4 in a trained tokenizer
-TOKENIZER_FORMAT = "bpe-metaspace-v1"   # bump when the training recipe changes
+TOKENIZER_FORMAT = "bpe-metaspace-bytefallback-v2"   # bump when the training recipe changes
+# Pieces for single bytes: a character the training texts lacked is written as its UTF-8 bytes
+# instead of <unk> (SentencePiece's byte fallback); ordinary pieces, not special tokens, so that
+# decoding with skip_special_tokens keeps them.
+BYTE_PIECES = [f"<0x{byte:02X}>" for byte in range(256)]
 
 
 class TokenizerError(RuntimeError):
@@ -35,8 +43,11 @@ class TokenizerError(RuntimeError):
 
 
 # The wrapper settings of a trained tokenizer (for a loaded one, `serialize` reads them off it).
+# split_special_tokens: a text that spells "</s>" or "<sep>" is encoded as those characters; read
+# as the special token, it would end the source early or split a target in two, and decoding with
+# skip_special_tokens would drop it.
 TRAINED_SETTINGS = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK,
-                    "additional_special_tokens": [SEP, MASK]}
+                    "additional_special_tokens": [SEP, MASK], "split_special_tokens": True}
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                         "mask_token")
 
@@ -50,14 +61,41 @@ def _train(texts: list[str], vocab_size: int) -> Tokenizer:
     # built-in data, small real samples) the Unigram trainer stopped at a few hundred pieces and cut
     # words into letters (3.85 tokens per keyphrase word), while BPE merges up to whole words
     # (1.00): targets, and so every decoder's work, were almost four times longer than needed.
+    # The byte pieces come on top of `vocab_size`, so the merges, and with them the whole words, are
+    # those of a tokenizer without them.
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
-    tokenizer.normalizer = normalizers.NFKC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
+    # No Unicode normalization (NFKC turned "ﬁ" into "fi" and full-width letters into ASCII): a
+    # prediction must read back as the reference it reproduces. Spaces become "▁" (one is put in
+    # front, so that a word is the same piece at the start of a text); words are split before each
+    # "▁", and decoding turns every "▁" back into a space and drops the one put in front, so that
+    # leading and repeated spaces survive.
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                 normalizers.Replace(" ", "▁")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer
+    # the trainer keeps no byte pieces: add them after the learned ones, and byte fallback with them
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for piece in BYTE_PIECES:
+        vocab.setdefault(piece, len(vocab))
+    spec["model"]["byte_fallback"] = True
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def cache_folder(cache_dir: str | os.PathLike) -> Path:
+    """`cache_dir` (`data.tokenizer_cache`), made if missing; a TokenizerError naming the key if it
+    cannot be a folder. Called before the training data is read, not after training."""
+    folder = Path(cache_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # e.g. a file in the way, or no permission
+        raise TokenizerError(f"data.tokenizer_cache={str(cache_dir)!r} cannot be used as a folder: "
+                             f"{err}") from err
+    return folder
 
 
 def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
@@ -67,13 +105,12 @@ def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.Pat
     for text in texts:
         key.update(text.encode("utf-8", "replace"))
         key.update(b"\n")
-    path = Path(cache_dir) / f"tokenizer-{key.hexdigest()[:16]}.json"
+    path = cache_folder(cache_dir) / f"tokenizer-{key.hexdigest()[:16]}.json"
     if path.exists():
         log.info("reusing cached tokenizer %s", path)
         return _wrap(Tokenizer.from_file(str(path)))
     log.info("training a %d-piece tokenizer on %d texts", vocab_size, len(texts))
     tokenizer = _train(texts, vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
     # write to a temporary name, then rename: a crash never leaves a half-written cache entry
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
         tmp.write(tokenizer.to_str())
@@ -91,7 +128,8 @@ def serialize(tokenizer: PreTrainedTokenizerFast) -> tuple[str, dict]:
     extra = [token for token in tokenizer.all_special_tokens if token not in named.values()]
     settings = {**named, "additional_special_tokens": extra,
                 # T5's tokenizer sets it (True): without it "a, b" decodes as "a , b"
-                "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces)}
+                "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
+                "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
     return tokenizer.backend_tokenizer.to_str(), settings
 
 

@@ -159,3 +159,101 @@ def test_records_digest_follows_the_records_content_and_order():
     assert records_digest(records[::-1]) != digest
     assert records_digest([records[0], {**records[1], "keyphrases": ["graph coloring"]}]) != digest
     assert records_digest(records[:1]) != digest
+
+
+# ---- no text lost or confused ----------------------------------------------------------------------
+
+# Characters an English training corpus lacks, in the scripts and forms a dataset may hold.
+UNSEEN = ["unseen 🦄 ß", "東京大学の研究", "שלום עולם", "مرحبا بالعالم", "café naïve Ærø",
+          "cafe\u0301 (a combining accent)", "ﬁnance and ＡＢＣ (compatibility forms)",
+          " leading, two  spaces,\ttab,\nnewline, trailing ", "</s> <sep> <unk> <pad> <mask> <0x41>"]
+
+
+def test_trained_tokenizer_writes_any_text_and_reads_it_back(tmp_path):
+    texts = ["graph coloring of planar graphs . we study neural network pruning ."] * 20
+    tokenizer = tok.train_or_load(texts, 200, tmp_path)
+    for text in UNSEEN:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids, text
+        # special-token names in a text are text: no id of a special token comes out of it
+        assert not set(ids) & set(tokenizer.all_special_ids), text
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text  # the predictions' path
+    # the one exception (documented): "▁" stands for a space in the pieces and reads back as one
+    assert tokenizer.decode(tokenizer("a▁b", add_special_tokens=False)["input_ids"]) == "a b"
+    # a checkpoint's copy behaves the same
+    again = tok.from_serialized(tokenizer.backend_tokenizer.to_str())
+    assert again.decode(again(UNSEEN[0], add_special_tokens=False)["input_ids"]) == UNSEEN[0]
+
+
+def test_predictions_read_back_as_the_references_they_reproduce(tmp_path):
+    """The library's own path from references to token ids (the datamodule) and from generated ids
+    to prediction text (`GenerationTask.decode_batch`): a decoder that outputs the test targets
+    exactly predicts the references, character for character, in scripts training never saw."""
+    from decoders import DecodeOutput
+    from tasks.run import build
+    train = [dict(KP, id=f"t{i}") for i in range(8)]
+    test = [dict(KP, id=f"u{i}", keyphrases=[text.strip(), "graph coloring"])
+            for i, text in enumerate(UNSEEN)]
+    for split, rows in (("train", train), ("validation", train), ("test", test)):
+        write_split(tmp_path / "data", split, rows)
+    cfg = compose("keyphrase", overrides=["data=jsonl", f"data.path={tmp_path / 'data'}",
+                                          f"data.tokenizer_cache={tmp_path / 'tok'}", "model.d_model=16",
+                                          "model.d_ff=16", "model.d_kv=8", "model.num_heads=2"])
+    built = build(cfg)
+    module, batch = built.module, next(iter(built.datamodule.ordered_loader("test")))
+    module.decoder.generate = lambda model, input_ids, attention_mask: DecodeOutput(
+        subsequences=batch["targets"], decoder_calls=[1] * len(test), tokens=[1] * len(test),
+        hit_max_steps=[False] * len(test), batch_decoder_calls=1)
+    module._eval_start()
+    assert module.decode_batch(batch) == [record["keyphrases"] for record in test]
+
+
+def test_builtin_keyphrases_stay_one_token_per_word(tmp_path):
+    """Byte fallback adds pieces, it takes none of the merges away: on the built-in keyphrase data
+    the trained tokenizer still keeps the words of the validation keyphrases whole."""
+    dm = SubsequenceDataModule(compose("keyphrase", overrides=[f"data.tokenizer_cache={tmp_path}"]))
+    dm.setup()
+    keyphrases = [k for record in dm.records("validation") for k in record["keyphrases"]]
+    tokens = sum(len(ids) for ids in dm.tokenizer(keyphrases, add_special_tokens=False)["input_ids"])
+    assert tokens / sum(len(k.split()) for k in keyphrases) == pytest.approx(1.0, abs=0.02)
+
+
+def test_empty_sources_are_counted_and_an_all_empty_split_is_refused(tmp_path, caplog):
+    blank = dict(KP, title=" ", abstract="")
+    write_split(tmp_path, "train", [dict(KP, id="a"), dict(blank, id="b"), dict(KP, id="c")])
+    write_split(tmp_path, "validation", [KP])
+    write_split(tmp_path, "test", [KP])
+    cfg = compose("keyphrase", overrides=["data=jsonl", f"data.path={tmp_path}", "model.vocab_size=60",
+                                          f"data.tokenizer_cache={tmp_path}/tok"])
+    dm = SubsequenceDataModule(cfg)
+    dm.setup()
+    assert dm.report["train"].empty_sources == 1 and dm.report["validation"].empty_sources == 0
+    assert "train split: 1 of 3 examples have an empty source (fields title, abstract)" in caplog.text
+
+    write_split(tmp_path, "test", [dict(blank, id="x"), dict(blank, id="y")])
+    with pytest.raises(DataError, match=r"test split: all 2 examples have an empty source \(fields "
+                                        r"title, abstract\)"):
+        SubsequenceDataModule(cfg).setup()
+
+
+def test_a_qa_question_without_context_is_a_source():
+    """WikiHowQA has no contexts: the question is what is answered from."""
+    from datamodules.schema import has_source
+    assert has_source("qa", {"question": "how to tie a knot?", "context": ""})
+    assert not has_source("qa", {"question": " ", "context": ""})
+
+
+def test_duplicate_ids_in_a_split_are_refused_naming_where(tmp_path, monkeypatch):
+    write_split(tmp_path, "train", [dict(KP, id="a"), dict(KP, id="b"), "", dict(KP, id="a")])
+    with pytest.raises(DataError, match=rf"train split: id 'a' is used twice, at {tmp_path}/train.jsonl "
+                                        rf"line 1 and at {tmp_path}/train.jsonl line 4"):
+        read_jsonl(tmp_path / "train.jsonl", "keyphrase")
+
+    import datamodules.hub
+    monkeypatch.setattr(datamodules.hub, "load_hub", lambda name, split, cache_dir, limit:
+                        [dict(KP, id="k1"), dict(KP, id="k2"), dict(KP, id="k2")])
+    cfg = compose("keyphrase", overrides=["data=kp20k"])
+    with pytest.raises(DataError, match=r"validation split: id 'k2' is used twice, at record 1 "
+                                        r"\(counted from 0\) of data=kp20k and at record 2"):
+        load_split("keyphrase", cfg.data, "validation")
