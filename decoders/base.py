@@ -15,7 +15,11 @@ in a new file of this package and register it with `@register("name")` (see `dec
 from __future__ import annotations
 
 import abc
+import math
+import operator
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -33,6 +37,57 @@ class SpecialTokens:
     sep: int    # joins subsequences in the flat (sequential / non-autoregressive) layout
     mask: int   # the masked-position token of non-autoregressive training and decoding
     start: int  # decoder start token (`b` in DESIGN.md)
+
+
+_COMPARISONS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
+                "lt": (operator.lt, "<")}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric option: `ge`/`gt` and `le`/`lt` bounds (inclusive and
+    exclusive), each a number or the name of a sibling option whose value is the bound
+    (`Range(ge=1, le="max_length")`). Stated once, it is read both by the code that takes the value
+    and by the configuration check that refuses a bad one before any work (`tasks.config`), so the
+    two cannot disagree."""
+
+    ge: float | str | None = None
+    gt: float | str | None = None
+    le: float | str | None = None
+    lt: float | str | None = None
+    integer: bool = True     # False: any finite number
+    optional: bool = False   # null is allowed too
+    note: str = ""           # what a bound means, for the message
+
+    def problem(self, key: str, value: Any, siblings: Mapping[str, Any]) -> str | None:
+        """None if `value` is allowed for `key` (e.g. "decoder.delay"); otherwise a message naming
+        the key, the allowed values and the value. `siblings` holds the values of the other keys
+        of `key`'s group, for bounds that name one."""
+        if value is None and self.optional:
+            return None
+        prefix = key.rpartition(".")[0]
+        bounds = [(op, *self._bound(getattr(self, op), prefix, siblings))
+                  for op in _COMPARISONS if getattr(self, op) is not None]
+        if self.integer:
+            kind_ok = isinstance(value, Integral) and not isinstance(value, bool)
+        else:
+            kind_ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+        if kind_ok and all(_COMPARISONS[op][0](value, limit) for op, limit, _ in bounds):
+            return None
+        limits = " and ".join(f"{_COMPARISONS[op][1]} {shown}" for op, _, shown in bounds)
+        allowed = f"{'an integer' if self.integer else 'a finite number'} {limits}".rstrip()
+        if self.optional:
+            allowed += " or null"
+        if self.note:
+            allowed += f" ({self.note})"
+        return f"{key} must be {allowed}, got {value!r}"
+
+    @staticmethod
+    def _bound(bound: float | str, prefix: str, siblings: Mapping[str, Any]) -> tuple[float, str]:
+        """(the bound's value, how a message shows it)."""
+        if isinstance(bound, str):
+            return siblings[bound], f"{prefix}.{bound} ({siblings[bound]!r})"
+        return bound, repr(bound)
 
 
 @dataclass
@@ -60,11 +115,30 @@ class Decoder(nn.Module, abc.ABC):
     # Options that only change generation, not training: a trained model can be decoded with any
     # value of these (tasks.compare sweeps them without retraining).
     decode_options: tuple[str, ...] = ()
+    # The allowed values of the numeric options, in checking order (a bound naming another option
+    # comes after that option's own range): the constructor checks the options it is given
+    # against them, and `tasks.config` reads them to refuse a bad value before any work.
+    option_ranges: ClassVar[dict[str, Range]] = {}
 
-    def __init__(self, backbone_config: T5Config, special: SpecialTokens):
+    def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
+        """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""
         super().__init__()
+        problem = self.options_problem(options)
+        if problem is not None:
+            raise ValueError(problem)
         self.backbone_config = backbone_config
         self.special = special
+
+    @classmethod
+    def options_problem(cls, options: Mapping[str, Any]) -> str | None:
+        """The message for the first of `options` outside its `option_ranges` entry (naming
+        `decoder.<option>`, the allowed values and the value), or None if all are allowed."""
+        for name, allowed in cls.option_ranges.items():
+            if name in options:
+                problem = allowed.problem(f"decoder.{name}", options[name], options)
+                if problem is not None:
+                    return problem
+        return None
 
     @abc.abstractmethod
     def layout(self, targets: list[list[list[int]]]) -> dict[str, torch.Tensor]:

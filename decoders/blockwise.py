@@ -54,7 +54,7 @@ from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
-from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, SpecialTokens,
+from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens,
                            at_least_float32, encode, gather_self_attention_cache, new_cache,
                            output_logits, past_distance_bias_table, run_decoder, split_flat_output)
 from decoders.sequential import SequentialDecoder
@@ -130,16 +130,13 @@ class BlockwiseDecoder(Decoder):
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout
 
+    option_ranges = {"block_size": Range(ge=2, note="the base head plus at least one proposal head"),
+                     "top_k": Range(ge=1, note="1 = exact acceptance"), "max_new_tokens": Range(ge=1)}
+
     def __init__(self, backbone_config, special: SpecialTokens, block_size: int = 4,
                  freeze_backbone: bool = False, top_k: int = 1, max_new_tokens: int = 128):
-        super().__init__(backbone_config, special)
-        if block_size < 2:
-            raise ValueError(f"decoder.block_size must be >= 2 (the base head plus at least one "
-                             f"proposal head), got {block_size}")
-        if top_k < 1:
-            raise ValueError(f"decoder.top_k must be >= 1 (1 = exact acceptance), got {top_k}")
-        if max_new_tokens < 1:
-            raise ValueError(f"decoder.max_new_tokens must be >= 1, got {max_new_tokens}")
+        super().__init__(backbone_config, special, block_size=block_size, top_k=top_k,
+                         max_new_tokens=max_new_tokens)
         self.block_size = int(block_size)
         self.freeze_backbone = bool(freeze_backbone)
         self.top_k = int(top_k)

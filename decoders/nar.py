@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, at_least_float32, encode,
+from decoders.base import (DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
                            hidden_mask, output_logits, pad_batch, run_decoder, split_on)
 from decoders.sequential import join_subsequences
 
@@ -128,22 +128,15 @@ class MaskPredictDecoder(Decoder):
     # generation-only: a trained model decodes with any value (tasks.compare sweeps them untrained);
     # max_length sets the shapes of the trained modules and length_loss_weight the training
     decode_options = ("iterations", "length_candidates")
+    option_ranges = {"max_length": Range(ge=1), "iterations": Range(ge=1),
+                     "length_candidates": Range(ge=1, le="max_length"),
+                     "length_loss_weight": Range(ge=0, integer=False)}
 
     def __init__(self, backbone_config, special: SpecialTokens, iterations: int = 4,
                  length_candidates: int = 1, length_loss_weight: float = 0.1, max_length: int = 96):
-        super().__init__(backbone_config, special)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"decoder.max_length must be an integer >= 1, got {max_length!r}")
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"decoder.iterations must be an integer >= 1, got {iterations!r}")
-        if (isinstance(length_candidates, bool) or not isinstance(length_candidates, int)
-                or not 1 <= length_candidates <= max_length):
-            raise ValueError(f"decoder.length_candidates must be an integer in 1..max_length="
-                             f"{max_length}, got {length_candidates!r}")
-        if (isinstance(length_loss_weight, bool) or not isinstance(length_loss_weight, (int, float))
-                or not 0 <= length_loss_weight < float("inf")):
-            raise ValueError(f"decoder.length_loss_weight must be a finite number >= 0, "
-                             f"got {length_loss_weight!r}")
+        super().__init__(backbone_config, special, iterations=iterations,
+                         length_candidates=length_candidates, length_loss_weight=length_loss_weight,
+                         max_length=max_length)
         self.iterations = iterations
         self.length_candidates = length_candidates
         self.length_loss_weight = float(length_loss_weight)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, LiveRows, SpecialTokens, encode,
+from decoders.base import (DecodeOutput, Decoder, LiveRows, Range, SpecialTokens, encode,
                            gather_self_attention_cache, hidden_mask, new_cache, output_logits,
                            pad_batch, past_distance_bias_table, read_back, run_decoder)
 
@@ -63,13 +63,12 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
 @register("pipelined")
 class PipelinedDecoder(Decoder):
     decode_options = ("max_subsequences", "max_subsequence_length", "max_steps")
+    option_ranges = {"delay": Range(ge=1), "max_subsequences": Range(ge=1),
+                     "max_subsequence_length": Range(ge=1), "max_steps": Range(ge=1)}
     def __init__(self, backbone_config, special: SpecialTokens, delay: int = 1,
                  max_subsequences: int = 16, max_subsequence_length: int = 32, max_steps: int = 128):
-        super().__init__(backbone_config, special)
-        for key, value in (("delay", delay), ("max_subsequences", max_subsequences),
-                           ("max_subsequence_length", max_subsequence_length), ("max_steps", max_steps)):
-            if value < 1:
-                raise ValueError(f"decoder.{key} must be >= 1, got {value}")
+        super().__init__(backbone_config, special, delay=delay, max_subsequences=max_subsequences,
+                         max_subsequence_length=max_subsequence_length, max_steps=max_steps)
         self.delay = delay
         self.max_subsequences = max_subsequences
         self.max_subsequence_length = max_subsequence_length

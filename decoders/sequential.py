@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from decoders import register
-from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, SpecialTokens, encode,
-                           new_cache, output_logits, pad_batch, past_distance_bias_table,
+from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens,
+                           encode, new_cache, output_logits, pad_batch, past_distance_bias_table,
                            run_decoder, split_flat_output)
 
 
@@ -36,10 +36,9 @@ def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list
 class SequentialDecoder(Decoder):
     layout_family = "flat-causal"  # blockwise trains its base head on this same layout
     decode_options = ("max_new_tokens",)
+    option_ranges = {"max_new_tokens": Range(ge=1)}
     def __init__(self, backbone_config, special: SpecialTokens, max_new_tokens: int = 128):
-        super().__init__(backbone_config, special)
-        if max_new_tokens < 1:
-            raise ValueError(f"decoder.max_new_tokens must be >= 1, got {max_new_tokens}")
+        super().__init__(backbone_config, special, max_new_tokens=max_new_tokens)
         self.max_new_tokens = max_new_tokens
 
     def layout(self, targets):

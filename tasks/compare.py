@@ -3,16 +3,18 @@
     python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar \\
         [--out FILE.json] [--ckpt NAME=PATH ...] [--sweep decoder.delay=1,2,3] [key=value ...]
 
-Each decoder is trained (or loaded with --ckpt) and its test split decoded and scored as its own MLflow
-run. Then speed is measured for all of them in this one process, with the same thread count, after a
-warm-up, interleaving the decoders and taking the median of `--repeats` passes: examples per second at
-batch size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
-prepared beforehand. Timing runs on the device the trainer settings give (`trainer.accelerator`,
-`trainer.devices`), with denormal floats flushed to zero on a CPU. Peak memory is taken in a separate
-pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every millisecond),
-over its level before the decode. The device and the flushing are recorded with the results.
-Writes FILE.json, FILE.md and two plots next to them, and a summary run to MLflow, all tagged with
-one comparison id.
+Each decoder is trained (or loaded with --ckpt) and its test split decoded and scored as its own
+MLflow run. A --ckpt checkpoint must have been trained for its row of the plan (the same task, data,
+model and, for the same decoder, trained options; checked before any work); its row is scored under
+the comparison's settings like every other row. Then speed is measured for all of them in this one
+process, with the same thread count, after a warm-up, interleaving the decoders and taking the
+median of `--repeats` passes: examples per second at batch size 1 and at `eval.batch_size`, timing
+only `generate` (encoder + decoder calls) on batches prepared beforehand. Timing runs on the device
+the trainer settings give (`trainer.accelerator`, `trainer.devices`), with denormal floats flushed
+to zero on a CPU. Peak memory is taken in a separate pass at the eval batch size (CUDA: max
+allocated; CPU: the C heap in use, sampled every millisecond), over its level before the decode. The
+device and the flushing are recorded with the results. Writes FILE.json, FILE.md and two plots next
+to them, and a summary run to MLflow, all tagged with one comparison id.
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ from decoders import build_decoder, decoder_class
 from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
-from tasks.test import checkpoint_config, restore
-from tasks.run import (Built, base_parser, decode_device, decoder_options, load_checkpoint, log,
-                       main_guard, open_tracking, score_into_run, train_and_test)
+from tasks.test import check_decoder, restore
+from tasks.run import (Built, base_parser, check_tracking, config_differences, decode_device,
+                       decoder_options, is_model_key, load_checkpoint, log, main_guard, open_tracking,
+                       score_into_run, train_and_test)
 
 
 @dataclass
@@ -93,6 +96,22 @@ def parse_sweeps(items: list[str]) -> dict[str, list[str]]:
     return sweeps
 
 
+def parse_checkpoints(items: list[str], names: list[str] | None = None) -> dict[str, str]:
+    """`--ckpt NAME=PATH` items -> {NAME: PATH}, each NAME once (and one of `names`, if given)."""
+    checkpoints: dict[str, str] = {}
+    for item in items:
+        name, equals, path = item.partition("=")
+        if not equals or not name or not path or (names is not None and name not in names):
+            among = f" with NAME one of --decoders ({', '.join(names)})" if names else ""
+            example = names[0] if names else "pipelined"
+            raise ConfigError(f"--ckpt {item!r}: expected NAME=PATH{among}, e.g. --ckpt "
+                              f"{example}=last.ckpt")
+        if name in checkpoints:
+            raise ConfigError(f"--ckpt {name}=...: given twice ({checkpoints[name]} and {path})")
+        checkpoints[name] = path
+    return checkpoints
+
+
 def plan(task: str, decoders: list[str], config_file: str | None, overrides: list[str],
          sweeps: dict[str, list[str]]) -> list[tuple[DictConfig, list[str]]]:
     """One resolved config (and the options its sweep set) per row. `decoder.X=v` overrides and sweeps apply to the decoders that
@@ -120,19 +139,6 @@ def plan(task: str, decoders: list[str], config_file: str | None, overrides: lis
     return rows
 
 
-def parse_checkpoint_args(items: list[str]) -> dict[str, str]:
-    """`--ckpt NAME=PATH` arguments -> {name: path}; a malformed or repeated one is named."""
-    checkpoints: dict[str, str] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not (sep and name and path):
-            raise ConfigError(f"--ckpt {item!r}: expected NAME=PATH, e.g. --ckpt pipelined=run.ckpt")
-        if name in checkpoints:
-            raise ConfigError(f"--ckpt {name}=... is given twice")
-        checkpoints[name] = path
-    return checkpoints
-
-
 def training_key(cfg: DictConfig) -> str:
     """Rows that differ only in decode-time options share one trained model."""
     decode_only = decoder_class(cfg.decoder.name).decode_options
@@ -143,6 +149,33 @@ def training_key(cfg: DictConfig) -> str:
 
 
 # -- training / loading and scoring ---------------------------------------------------------------
+
+# Data settings that say where files are kept or how they are read, not which data: the only ones in
+# which a --ckpt checkpoint may differ from the plan.
+DATA_STORAGE_KEYS = ("data.tokenizer_cache", "data.num_workers", "data.cache_dir")
+
+
+def check_checkpoint(checkpoint: dict, path: str, cfg: DictConfig) -> None:
+    """Refuse a --ckpt checkpoint that was not trained for its planned row `cfg`: another task,
+    other data, another model, a decoder layout `cfg`'s decoder cannot decode or, for the same
+    decoder, other values of options that shape training. The ConfigError names the checkpoint and
+    each key with its value in the checkpoint and in the plan."""
+    check_decoder(checkpoint, f"--ckpt {cfg.decoder.name}={path}", cfg.decoder.name)
+    stored_decoder = checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"]
+    decode_only = decoder_class(cfg.decoder.name).decode_options
+
+    def compared(key: str) -> bool:
+        group, _, option = key.partition(".")
+        if group == "decoder":  # another decoder's options have other names: its layout was checked
+            return stored_decoder == cfg.decoder.name and option not in decode_only + ("name",)
+        return group == "task" or (group == "data" and key not in DATA_STORAGE_KEYS) or is_model_key(key)
+
+    differences = config_differences(checkpoint, cfg, "in the checkpoint", compared, "in the plan")
+    if differences:
+        raise ConfigError(f"--ckpt {cfg.decoder.name}={path} was not trained for this comparison "
+                          f"({'; '.join(differences)}); set the plan's keys to the checkpoint's "
+                          f"values, or train it again")
+
 
 def score_row(cfg: DictConfig, built, tags: dict) -> Row:
     """Decode and score the test split with an already-trained module, as a new MLflow run."""
@@ -426,21 +459,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     decoders = parse_decoders(args.decoders)
-    checkpoints = parse_checkpoint_args(args.ckpt)
-    for name in checkpoints:
-        if name not in decoders:
-            raise ConfigError(f"--ckpt {name}=...: {name!r} is not among --decoders {args.decoders}")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
+    checkpoints = parse_checkpoints(args.ckpt, decoders)
+    for flag, value in (("--repeats", args.repeats), ("--speed-examples", args.speed_examples),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     planned = plan(args.task, decoders, args.config, args.overrides, parse_sweeps(args.sweep))
     cfgs = [cfg for cfg, _ in planned]
     if args.print_config:
         for cfg in cfgs:
             print(OmegaConf.to_yaml(cfg))
         return {}
+    loaded = {name: load_checkpoint(path) for name, path in checkpoints.items()}
+    for cfg, _ in planned:
+        if cfg.decoder.name in loaded:
+            check_checkpoint(loaded[cfg.decoder.name], checkpoints[cfg.decoder.name], cfg)
+    # the rows differ in decoder options only: one check of the other settings holds for all
+    device = decode_device(cfgs[0])
+    check_tracking(cfgs[0])
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = decode_device(cfgs[0])  # the rows differ in decoder options only, not in trainer settings
 
     comparison_id = uuid.uuid4().hex[:12]
     tags = {"comparison_id": comparison_id, "role": "row"}
@@ -452,15 +490,9 @@ def main(argv: list[str] | None = None) -> dict:
         if key in trained:
             row = score_row(cfg, with_decoder(cfg, trained[key]), tags)
         elif name in checkpoints:
-            general = [o for o in args.overrides if not o.startswith("decoder.")]
-            options = [f"decoder.{k}={v}" for k, v in decoder_options(cfg).items()]
-            path = checkpoints[name]
-            checkpoint = load_checkpoint(path)
-            ckpt_cfg = checkpoint_config(checkpoint, path, general + [f"decoder={name}"] + options,
-                                         args.config)
-            built = restore(checkpoint, path, ckpt_cfg)
+            built = restore(loaded[name], checkpoints[name], cfg)
             trained[key] = built
-            row = score_row(ckpt_cfg, built, tags)
+            row = score_row(cfg, built, {**tags, "checkpoint": checkpoints[name]})
         else:
             log.info("training %s", name)
             result = train_and_test(cfg, tags=tags)

@@ -6,8 +6,9 @@ Composition order (later wins):
 A group is chosen with `group=name` (`model=t5-base`, `data=kp20k`), with `--task/--decoder` on the
 command line, or through the key that names it (`task.name`, `decoder.name`, `model.name`,
 `data.source`). A single key is set with `group.key=value`. Everything is checked before any work:
-unknown group names, unknown keys and values of the wrong type raise `ConfigError` naming the key or
-value and what is allowed.
+unknown group names, unknown keys, values of the wrong type and values out of range (`VALUE_RANGES`,
+each decoder's `option_ranges`, `trainer.devices`) raise `ConfigError` naming the key or value and
+what is allowed.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any, Iterable
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from decoders.base import Range
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -229,9 +232,57 @@ def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfi
     return OmegaConf.merge(fresh, stored)
 
 
+# The allowed values of the numeric keys outside the decoder group (each decoder states its own
+# options' ranges: `Decoder.option_ranges`). A key a configuration does not have (model sizes with a
+# pretrained model, Trainer arguments left to Lightning's defaults) is not checked.
+VALUE_RANGES: dict[str, Range] = {
+    "seed": Range(ge=0, le=2 ** 32 - 1, note="the seeds NumPy accepts"),
+    "train.batch_size": Range(ge=1),
+    "model.lr": Range(gt=0, integer=False),  # the default of train.lr
+    "train.lr": Range(gt=0, integer=False),
+    "train.weight_decay": Range(ge=0, integer=False),
+    "train.warmup_steps": Range(ge=0, note="0: no warm-up"),
+    "eval.batch_size": Range(ge=1),
+    "eval.speed_batch_size": Range(ge=1),
+    "data.max_train_examples": Range(ge=1, optional=True, note="null: all"),
+    "data.max_eval_examples": Range(ge=1, optional=True, note="null: all"),
+    "data.max_source_length": Range(ge=2, note="room for one token and the end token"),
+    "data.max_target_length": Range(ge=2, note="room for one token and the end token"),
+    "data.max_subsequences": Range(ge=1),
+    "data.num_workers": Range(ge=0),
+    "data.train_size": Range(ge=1),
+    "data.validation_size": Range(ge=1),
+    "data.test_size": Range(ge=1),
+    "data.corpus_seed": Range(ge=0),
+    "model.vocab_size": Range(ge=1),
+    "model.d_model": Range(ge=1),
+    "model.d_ff": Range(ge=1),
+    "model.d_kv": Range(ge=1),
+    "model.num_heads": Range(ge=1),
+    "model.num_layers": Range(ge=1),
+    "model.num_decoder_layers": Range(ge=1),
+    "model.dropout": Range(ge=0, lt=1, integer=False),
+    "model.initializer_factor": Range(gt=0, integer=False),
+    # Lightning's own limits, checked here so that a bad one fails before the data is read
+    "trainer.max_epochs": Range(ge=-1, optional=True, note="-1: no limit"),
+    "trainer.min_epochs": Range(ge=0, optional=True),
+    "trainer.max_steps": Range(ge=-1, note="-1: no limit"),
+    "trainer.min_steps": Range(ge=0, optional=True),
+    "trainer.num_nodes": Range(ge=1),
+    "trainer.accumulate_grad_batches": Range(ge=1),
+    "trainer.gradient_clip_val": Range(ge=0, integer=False, optional=True),
+    "trainer.log_every_n_steps": Range(ge=0, optional=True, note="0: no logging within epochs"),
+    "trainer.check_val_every_n_epoch": Range(ge=1, optional=True),
+    "trainer.num_sanity_val_steps": Range(ge=-1, optional=True, note="-1: the whole validation split"),
+}
+_ABSENT = object()
+
+
 def _check_values(cfg: DictConfig) -> None:
-    """Value ranges that the type check cannot see."""
+    """Value ranges that the type check cannot see: `VALUE_RANGES`, the decoder's
+    `option_ranges`, `trainer.devices` and the named choices."""
     from datamodules.schema import TASKS
+    from decoders import decoder_class
     if cfg.task.name not in TASKS:
         raise ConfigError(f"unknown task {cfg.task.name!r}; allowed: {', '.join(TASKS)}")
     from decoders.base import STRUCTURED_ATTENTION
@@ -240,19 +291,42 @@ def _check_values(cfg: DictConfig) -> None:
                           f"{', '.join(STRUCTURED_ATTENTION)}")
     if cfg.task.name == "qa" and cfg.task.level not in ("phrase", "sentence"):
         raise ConfigError(f"task.level={cfg.task.level!r}; allowed: phrase, sentence")
-    for key in ("train.batch_size", "eval.batch_size", "eval.speed_batch_size",
-                "data.max_source_length", "data.max_target_length", "data.max_subsequences"):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    for key in ("model.lr", "train.lr"):  # train.lr defaults to model.lr
-        value = OmegaConf.select(cfg, key)
-        if value is None or value <= 0:
-            raise ConfigError(f"{key}={value} must be > 0")
-    for key in ("data.max_train_examples", "data.max_eval_examples"):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1 (or null for all)")
+    for key, allowed in VALUE_RANGES.items():
+        group, _, name = key.rpartition(".")
+        siblings = cfg[group] if group else cfg
+        value = siblings.get(name, _ABSENT)
+        problem = None if value is _ABSENT else allowed.problem(key, value, siblings)
+        if problem is not None:
+            raise ConfigError(problem)
+    problem = _devices_problem(cfg.trainer.get("devices", "auto"))
+    if problem is not None:
+        raise ConfigError(problem)
+    options = {k: v for k, v in cfg.decoder.items() if k != "name"}
+    problem = decoder_class(cfg.decoder.name).options_problem(options)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _devices_problem(devices: Any) -> str | None:
+    """`trainer.devices` in a form Lightning takes: a count >= 1, -1 (all), "auto", or device
+    indices (a list, or a string such as "0,1"). Whether the devices are there is for Lightning to
+    say (`tasks.run.check_trainer`)."""
+    value = devices
+    if isinstance(devices, str) and devices != "auto":
+        try:
+            numbers = [int(part) for part in devices.split(",") if part.strip()]
+        except ValueError:
+            numbers = []
+        value = numbers if "," in devices else numbers[0] if numbers else None
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                           and (value >= 1 or value == -1)):
+        return None
+    if isinstance(value, (list, ListConfig)) and value and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value) \
+            and len(set(value)) == len(value):
+        return None
+    return (f"trainer.devices must be a number of devices >= 1, -1 (all of them), 'auto', or a "
+            f"non-empty list of distinct device indices >= 0 such as [0, 1], got {devices!r}")
 
 
 def flatten(cfg: DictConfig) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device
 
 from decoders.base import DecodeOutput, split_flat_output
-from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoint_args
+from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoints
 from tasks.config import ConfigError
 from tasks.run import load_checkpoint, log, main_guard
 from tasks.test import checkpoint_config, restore
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                          ("--examples", [args.examples or 1])):
         if min(values) < 1:
             raise ConfigError(f"{flag}: every value must be >= 1, got {values}")
-    paths = parse_checkpoint_args(args.ckpt)
+    paths = parse_checkpoints(args.ckpt)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     note = "" if cuda else CPU_NOTE

@@ -74,6 +74,15 @@ def build(cfg: DictConfig, stored: StoredModel = StoredModel()) -> Built:
 def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
                   run_id: str | None = None) -> MLFlowLogger:
     """The MLflow logger of one run; fails before any training if the store cannot be opened."""
+    artifacts = check_tracking(cfg)
+    return MLFlowLogger(experiment_name=experiment_name(cfg), run_name=run_name,
+                        tracking_uri=cfg.tracking.uri, artifact_location=artifacts.as_uri(),
+                        tags=tags, run_id=run_id)
+
+
+def check_tracking(cfg: DictConfig) -> Path:
+    """Opens the tracking store and makes the artifact folder, which it returns; a ConfigError
+    naming `tracking.uri` or `tracking.artifact_location` if either cannot be."""
     from mlflow.tracking import MlflowClient
     try:
         with store_creation_lock(cfg.tracking.uri):
@@ -90,10 +99,12 @@ def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
                               f"{cfg.tracking.uri}`") from err
         raise ConfigError(f"cannot open tracking.uri={cfg.tracking.uri!r}: {first_line}") from err
     artifacts = Path(cfg.tracking.artifact_location).resolve()
-    artifacts.mkdir(parents=True, exist_ok=True)
-    return MLFlowLogger(experiment_name=experiment_name(cfg), run_name=run_name,
-                        tracking_uri=cfg.tracking.uri, artifact_location=artifacts.as_uri(),
-                        tags=tags, run_id=run_id)
+    try:
+        artifacts.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # e.g. a file in the way, or no permission
+        raise ConfigError(f"tracking.artifact_location={cfg.tracking.artifact_location!r} cannot be "
+                          f"used as a folder: {err}") from err
+    return artifacts
 
 
 # What MLflow says about a store whose creation or migration was interrupted or raced.
@@ -163,20 +174,29 @@ def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> 
                      use_distributed_sampler=False, plugins=[SafeCheckpointIO()])
 
 
-def decode_device(cfg: DictConfig) -> torch.device:
-    """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
-    first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
-    timing, tasks.distill) decode. Lightning's test teardown moves the module back to the CPU, so
-    they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
-    its checks; an accelerator that is not available is a ConfigError here, before any work."""
+def check_trainer(cfg: DictConfig) -> L.Trainer:
+    """A trainer with the configured `trainer` settings: Lightning checks them as it makes one
+    (an accelerator available here, devices it has, a known strategy and precision). Entry points
+    call this before any work, so that what Lightning refuses is a ConfigError then, not a
+    traceback once the data is read and the tokenizer trained. (Ranges Lightning would only hit
+    later are checked with the configuration, `tasks.config.VALUE_RANGES`.)"""
     try:
-        return make_trainer(cfg, None).strategy.root_device
+        return make_trainer(cfg, None)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as err:
         available = sorted(name for name in AcceleratorRegistry.available_accelerators()
                            if AcceleratorRegistry[name]["accelerator"].is_available())
         raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator!r} with trainer.devices="
                           f"{cfg.trainer.devices!r} cannot run here: {err} (accelerators available "
                           f"here: auto, {', '.join(available)})") from err
+
+
+def decode_device(cfg: DictConfig) -> torch.device:
+    """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
+    first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
+    timing, tasks.distill) decode. Lightning's test teardown moves the module back to the CPU, so
+    they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
+    its checks (`check_trainer`)."""
+    return check_trainer(cfg).strategy.root_device
 
 
 def run_folder(cfg: DictConfig, run_id: str) -> Path:
@@ -351,13 +371,14 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
 
 
 def config_differences(checkpoint: dict, cfg: DictConfig, there: str,
-                       compared: Callable[[str], bool] = lambda key: True) -> list[str]:
-    """`key: value <there>, value now` for each `compared` key whose value in the checkpoint's
+                       compared: Callable[[str], bool] = lambda key: True,
+                       here: str = "now") -> list[str]:
+    """`key: value <there>, value <here>` for each `compared` key whose value in the checkpoint's
     configuration differs from `cfg`'s."""
     # through `compose`, so that keys the library gained since the checkpoint compare as defaults
     stored = flatten(compose(base=checkpoint["hyper_parameters"]["cfg"]))
     current = flatten(cfg)
-    return [f"{key}: {stored.get(key)!r} {there}, {current.get(key)!r} now"
+    return [f"{key}: {stored.get(key)!r} {there}, {current.get(key)!r} {here}"
             for key in sorted(set(stored) | set(current))
             if compared(key) and stored.get(key) != current.get(key)]
 
@@ -379,10 +400,20 @@ def load_checkpoint(path: str) -> dict:
                           f"file ({' '.join(line.strip() for line in reason[:3])[:300]})") from err
     except Exception as err:  # a truncated or foreign file: say which, do not dump a pickle trace
         raise ConfigError(f"{path} is not a readable checkpoint: {err}") from err
-    if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint:
-        raise ConfigError(f"{path} is not a checkpoint written by tasks.fit (it has no "
-                          f"hyper_parameters)")
+    hyper_parameters = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    has = {"hyper_parameters.cfg": isinstance(hyper_parameters, dict) and "cfg" in hyper_parameters,
+           "state_dict": isinstance(checkpoint, dict) and "state_dict" in checkpoint}
+    lacking = [key for key, present in has.items() if not present]
+    if lacking:  # another program's file, or a bare state dict
+        raise ConfigError(f"{path} is not a checkpoint written by tasks.fit: it has no "
+                          f"{' and no '.join(lacking)}")
     return checkpoint
+
+
+def is_model_key(key: str) -> bool:
+    """Whether a configuration key says which model a checkpoint holds: the `model.` keys, but for
+    dropout and the random-init scale, which neither shape nor fill loaded weights."""
+    return key.startswith("model.") and key not in ("model.dropout", "model.initializer_factor")
 
 
 @dataclass
@@ -400,10 +431,7 @@ def initial_weights(cfg: DictConfig) -> InitialWeights | None:
     if path is None:
         return None
     checkpoint = load_checkpoint(path)
-    # dropout and the random-init scale may differ: neither shapes nor fills the loaded weights
-    differences = config_differences(
-        checkpoint, cfg, "in the checkpoint", compared=lambda key: key.startswith("model.")
-        and key not in ("model.dropout", "model.initializer_factor"))
+    differences = config_differences(checkpoint, cfg, "in the checkpoint", compared=is_model_key)
     if differences:
         raise ConfigError(f"train.init_from={path} holds another model: {'; '.join(differences)}")
     prefix = "backbone."
@@ -430,6 +458,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     With `resume`, training goes on from that run's last checkpoint and logs into the same run;
     otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    check_trainer(cfg)
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
                            run_id=resume.run_id if resume else None)  # fails here if unusable

@@ -13,22 +13,29 @@ import time
 
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
-from tasks.run import (base_parser, build, default_run_name, load_checkpoint, log, main_guard,
-                       open_tracking, score_into_run, stored_model)
+from tasks.run import (base_parser, build, check_trainer, default_run_name, load_checkpoint, log,
+                       main_guard, open_tracking, score_into_run, stored_model)
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
     stored = checkpoint["hyper_parameters"]["cfg"]
-    trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
     cfg = compose(None, None, config_file, overrides, base=stored)
     for group, key in (("task", "name"), ("model", "name")):
         if cfg[group][key] != stored[group][key]:
             raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
                               f"it cannot be used as {group} {cfg[group][key]!r}")
-    if not decoder_class(cfg.decoder.name).can_decode_checkpoint_of(decoder_class(trained_decoder)):
-        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
-                          f"{cfg.decoder.name!r} cannot decode it (use decoder={trained_decoder})")
+    check_decoder(checkpoint, path, cfg.decoder.name)
     return cfg
+
+
+def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
+    """Refuse to decode `checkpoint` with `decoder` where that decoder's layout is not the one the
+    checkpoint's decoder trained the backbone on."""
+    stored = checkpoint["hyper_parameters"]["cfg"]
+    trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
+    if not decoder_class(decoder).can_decode_checkpoint_of(decoder_class(trained_decoder)):
+        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
+                          f"{decoder!r} cannot decode it (use decoder={trained_decoder})")
 
 
 def restore(checkpoint: dict, path: str, cfg):
@@ -58,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     started = time.perf_counter()
+    check_trainer(cfg)
     logger = open_tracking(cfg, f"test {default_run_name(cfg)}", tags={"checkpoint": args.ckpt})
     built = restore(checkpoint, args.ckpt, cfg)
     score_into_run(logger, cfg, built)

@@ -457,7 +457,7 @@ def test_sequential_can_decode_a_blockwise_checkpoint():
 
 @pytest.mark.parametrize("option,value", [("block_size", 1), ("top_k", 0), ("max_new_tokens", 0)])
 def test_invalid_options_name_the_value(option, value):
-    with pytest.raises(ValueError, match=rf"decoder\.{option} must be >= .*got {value}"):
+    with pytest.raises(ValueError, match=rf"decoder\.{option} must be an integer >= .*got {value}"):
         blockwise(tiny_t5(0), **{option: value})
 
 

@@ -1,12 +1,18 @@
-"""`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, MLflow runs by tag, plots."""
+"""`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, MLflow runs by tag, plots; what a
+--ckpt checkpoint must agree on with the plan."""
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
-from tasks import compare
-from tasks.config import ConfigError
-from tests.test_end_to_end import TINY, tracking
+from tasks import compare, test as test_entry
+from tasks.config import ConfigError, compose
+from tasks.run import build
+from tests.test_end_to_end import TINY, run_artifact_rows, tracking
+from tests.test_faults import fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
@@ -96,3 +102,76 @@ def test_gpu_benchmark_runs_on_the_cpu_with_a_note(tmp_path):
     assert all(r["examples_per_second"] > 0 for r in result["rows"])
     assert result["rows"][0]["speedup"] == 1.0
     assert "not GPU figures" in out.with_suffix(".md").read_text()
+
+
+# ---- --ckpt: checked against the plan ------------------------------------------------------------
+
+def stored_config(path: Path, task: str, decoder: str, overrides: list[str]) -> str:
+    """A file with what tasks.fit's checkpoints hold that the checks read (the resolved config, the
+    decoder's name); no weights: the checks must refuse it before any are used."""
+    cfg = compose(task, decoder, None, overrides)
+    torch.save({"hyper_parameters": {"cfg": OmegaConf.to_container(cfg)}, "state_dict": {},
+                "decoder_name": decoder}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("stored,argv,message", [
+    # a keyphrase checkpoint in a qa comparison: the table and the runs would have said "qa"
+    (("keyphrase", "sequential", []), ["--task", "qa", "--decoders", "sequential"],
+     "task.name: 'keyphrase' in the checkpoint, 'qa' in the plan"),
+    (("keyphrase", "sequential", ["data=jsonl", "data.path=/elsewhere"]), ["--decoders", "sequential"],
+     "data.source: 'jsonl' in the checkpoint, 'builtin' in the plan"),
+    (("keyphrase", "sequential", ["data.train_size=64"]), ["--decoders", "sequential"],
+     "data.train_size: 64 in the checkpoint, 2000 in the plan"),
+    (("keyphrase", "sequential", ["model.d_model=64"]), ["--decoders", "sequential"],
+     "model.d_model: 64 in the checkpoint, 128 in the plan"),
+    # a training option swept: the checkpoint was trained with one value only
+    (("keyphrase", "pipelined", []), ["--decoders", "pipelined", "--sweep", "decoder.delay=1,2"],
+     "decoder.delay: 1 in the checkpoint, 2 in the plan"),
+    (("keyphrase", "pipelined", []), ["--decoders", "sequential"],
+     "was trained with decoder 'pipelined'; decoder 'sequential' cannot decode it"),
+])
+def test_a_checkpoint_not_trained_for_the_plan_is_refused_before_any_work(
+        stored, argv, message, tmp_path, monkeypatch, capsys):
+    task, decoder, overrides = stored
+    path = stored_config(tmp_path / "stored.ckpt", task, decoder, [*tracking(tmp_path), *overrides])
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    name = argv[argv.index("--decoders") + 1]
+    stderr = fails_before_any_work(compare, [*argv, "--ckpt", f"{name}={path}", *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert message in stderr and f"--ckpt {name}={path}" in stderr
+
+
+def test_a_checkpoint_may_differ_in_decode_options_and_storage_only(tmp_path):
+    path = stored_config(tmp_path / "p.ckpt", "keyphrase", "pipelined", [*TINY, "decoder.max_steps=9",
+                                                                         "data.tokenizer_cache=/x"])
+    checkpoint = torch.load(path, weights_only=False)
+    for cfg, _ in compare.plan("keyphrase", ["pipelined"], None, TINY,
+                               {"decoder.max_subsequence_length": ["4", "8"]}):
+        compare.check_checkpoint(checkpoint, path, cfg)  # decode-time options and the cache: no error
+
+
+@pytest.mark.slow
+def test_a_checkpoint_row_is_scored_with_its_weights_under_the_plan(tmp_path, monkeypatch):
+    """The row of a --ckpt checkpoint decodes with the checkpoint's weights (as tasks.test does) and
+    is filed with the comparison's tracking settings, not with those stored in the checkpoint."""
+    built = build(compose("keyphrase", "sequential", None, [*TINY, *tracking(tmp_path)]))
+    with torch.no_grad():  # weights no freshly seeded model has
+        built.module.backbone.lm_head.weight.mul_(-1)
+    checkpoint = {"hyper_parameters": dict(built.module.hparams), "state_dict": built.module.state_dict()}
+    built.module.on_save_checkpoint(checkpoint)
+    path = str(tmp_path / "sequential.ckpt")
+    torch.save(checkpoint, path)
+
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    result = compare.main(["--decoders", "sequential", "--ckpt", f"sequential={path}",
+                           "--out", str(tmp_path / "cmp.json"), "--repeats", "1", "--speed-examples", "2",
+                           *TINY, *tracking(tmp_path), "tracking.experiment=comparison"])
+    tested = test_entry.main(["--ckpt", path, *TINY, *tracking(tmp_path)])
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    row = client.get_run(result["rows"][0]["mlflow_run_id"])
+    assert client.get_experiment(row.info.experiment_id).name == "comparison"
+    assert row.data.tags["checkpoint"] == path
+    assert run_artifact_rows(client, row.info.run_id, tmp_path / "row") == \
+        run_artifact_rows(client, tested["run_id"], tmp_path / "tested")

@@ -45,9 +45,9 @@ def test_trainer_accepts_any_trainer_argument():
     (["data=nowhere"], "unknown data 'nowhere'; allowed: builtin"),
     (["decoder=nope"], "unknown decoder 'nope'; allowed: "),
     (["data=jsonl"], "required key(s) not set: data.path"),
-    (["data.max_train_examples=0"], "data.max_train_examples=0 must be >= 1"),
-    (["train.lr=0"], "train.lr=0 must be > 0"),
-    (["model.lr=-1e-4"], "model.lr=-0.0001 must be > 0"),
+    (["data.max_train_examples=0"], "data.max_train_examples must be an integer >= 1 or null (null: all), got 0"),
+    (["train.lr=0"], "train.lr must be a finite number > 0, got 0"),
+    (["model.lr=-1e-4"], "model.lr must be a finite number > 0, got -0.0001"),
     (["task.level=paragraph"], "unknown key 'task.level'"),
     (["noequals"], "not of the form key=value"),
 ])

@@ -1,5 +1,6 @@
 """Scale-out and faults: DDP evaluation, resume into the same run, run status on errors, atomic
 writes, determinism, and bad input that fails before any work."""
+import inspect
 import json
 import os
 import signal
@@ -10,14 +11,18 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
+from transformers import T5Config
 
 import tasks.run
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
+from decoders import build_decoder
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
 from tasks.run import SafeCheckpointIO, build, make_trainer, train_and_test
+from tests.conftest import SPECIAL
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,3 +235,194 @@ def test_step_bound_is_reported_in_telemetry_not_silently_cut(tmp_path, caplog):
     assert built.module.test_scores["max_steps_hit"] == len(rows) == 8
     assert all(r["hit_max_steps"] and r["decoder_calls"] == 2 for r in rows)
     assert "test: 8 of 8 examples reached one of the decoder's length or step bounds" in caplog.text
+
+
+# ---- every bad value named before any work (exit 2, no traceback, no data read) -------------------
+
+# Every documented option and setting with a value outside its range, and the message it must give.
+# Decoder options come with the decoder that has them; TINY sets data.max_target_length=40, which is
+# nar's default max_length. A test below checks that every numeric decoder option is here.
+DECODER_BAD_VALUES = [
+    ("sequential", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.delay=0", "decoder.delay must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.delay=-1", "decoder.delay must be an integer >= 1, got -1"),
+    ("pipelined", "decoder.max_subsequences=0", "decoder.max_subsequences must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.max_subsequence_length=0",
+     "decoder.max_subsequence_length must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.max_steps=0", "decoder.max_steps must be an integer >= 1, got 0"),
+    ("blockwise", "decoder.block_size=1", "decoder.block_size must be an integer >= 2 (the base head "
+                                          "plus at least one proposal head), got 1"),
+    ("blockwise", "decoder.top_k=0", "decoder.top_k must be an integer >= 1 (1 = exact acceptance), got 0"),
+    ("blockwise", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    ("nar", "decoder.iterations=0", "decoder.iterations must be an integer >= 1, got 0"),
+    ("nar", "decoder.length_candidates=0",
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (40), got 0"),
+    ("nar", "decoder.length_candidates=41",
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (40), got 41"),
+    ("nar", "decoder.length_loss_weight=-0.5",
+     "decoder.length_loss_weight must be a finite number >= 0, got -0.5"),
+    ("nar", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
+]
+BAD_VALUES = [
+    ("seed=-1", "seed must be an integer >= 0 and <= 4294967295"),
+    ("train.batch_size=0", "train.batch_size must be an integer >= 1, got 0"),
+    ("train.lr=0", "train.lr must be a finite number > 0, got 0"),
+    ("train.lr=-0.001", "train.lr must be a finite number > 0, got -0.001"),
+    ("train.weight_decay=-0.01", "train.weight_decay must be a finite number >= 0, got -0.01"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be an integer >= 0 (0: no warm-up), got -1"),
+    ("eval.batch_size=0", "eval.batch_size must be an integer >= 1, got 0"),
+    ("eval.speed_batch_size=0", "eval.speed_batch_size must be an integer >= 1, got 0"),
+    ("data.max_train_examples=0", "data.max_train_examples must be an integer >= 1 or null"),
+    ("data.max_eval_examples=0", "data.max_eval_examples must be an integer >= 1 or null"),
+    ("data.max_source_length=1", "data.max_source_length must be an integer >= 2"),
+    ("data.max_target_length=1", "data.max_target_length must be an integer >= 2"),
+    ("data.max_subsequences=0", "data.max_subsequences must be an integer >= 1, got 0"),
+    ("data.num_workers=-1", "data.num_workers must be an integer >= 0, got -1"),
+    ("data.train_size=0", "data.train_size must be an integer >= 1, got 0"),
+    ("data.validation_size=0", "data.validation_size must be an integer >= 1, got 0"),
+    ("data.test_size=0", "data.test_size must be an integer >= 1, got 0"),
+    ("data.corpus_seed=-1", "data.corpus_seed must be an integer >= 0, got -1"),
+    ("model.vocab_size=0", "model.vocab_size must be an integer >= 1, got 0"),
+    ("model.d_model=0", "model.d_model must be an integer >= 1, got 0"),
+    ("model.d_ff=0", "model.d_ff must be an integer >= 1, got 0"),
+    ("model.d_kv=0", "model.d_kv must be an integer >= 1, got 0"),
+    ("model.num_heads=0", "model.num_heads must be an integer >= 1, got 0"),
+    ("model.num_layers=0", "model.num_layers must be an integer >= 1, got 0"),
+    ("model.num_decoder_layers=0", "model.num_decoder_layers must be an integer >= 1, got 0"),
+    ("model.dropout=1.0", "model.dropout must be a finite number >= 0 and < 1, got 1.0"),
+    ("model.initializer_factor=0", "model.initializer_factor must be a finite number > 0, got 0"),
+    ("trainer.devices=0", "trainer.devices must be a number of devices >= 1, -1 (all of them), "
+                          "'auto', or a non-empty list of distinct device indices >= 0"),
+    ("trainer.devices=-2", "trainer.devices must be a number of devices >= 1"),
+    ("trainer.devices=[]", "trainer.devices must be a number of devices >= 1"),
+    ("trainer.max_epochs=-5", "trainer.max_epochs must be an integer >= -1 or null (-1: no limit), got -5"),
+    ("trainer.max_steps=-2", "trainer.max_steps must be an integer >= -1 (-1: no limit), got -2"),
+    ("trainer.min_epochs=-1", "trainer.min_epochs must be an integer >= 0 or null, got -1"),
+    ("trainer.min_steps=-1", "trainer.min_steps must be an integer >= 0 or null, got -1"),
+    ("trainer.num_nodes=0", "trainer.num_nodes must be an integer >= 1, got 0"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be an integer >= 1"),
+    ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val must be a finite number >= 0 or null"),
+    ("trainer.log_every_n_steps=-1", "trainer.log_every_n_steps must be an integer >= 0 or null"),
+    ("trainer.check_val_every_n_epoch=0", "trainer.check_val_every_n_epoch must be an integer >= 1"),
+    ("trainer.num_sanity_val_steps=-2", "trainer.num_sanity_val_steps must be an integer >= -1"),
+    # what only Lightning knows (a machine's accelerators, its precisions): asked before any work
+    ("trainer.precision=33", "Precision 33 is invalid"),
+    ("trainer.strategy=nope", "invalid strategy name: `strategy='nope'`"),
+    ("trainer.limit_train_batches=1.5", "invalid value 1.5 for limit_train_batches"),
+]
+
+
+def not_a_folder(tmp_path: Path) -> Path:
+    """A path under a regular file: no folder can be made there, whoever runs the test."""
+    (tmp_path / "a_file").write_text("")
+    return tmp_path / "a_file" / "folder"
+
+
+def fails_before_any_work(entry, argv: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
+    """Run an entry point as its command line does (`main_guard`); it must exit with code 2,
+    without a traceback and without having read any data or trained a tokenizer. Returns stderr."""
+    def no_data(self):
+        raise AssertionError("the data was read before the bad value was refused")
+
+    monkeypatch.setattr(SubsequenceDataModule, "load_records", no_data)
+    with pytest.raises(SystemExit) as exit_:
+        tasks.run.main_guard(lambda: entry.main(argv))
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2, stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "tok").exists()  # tracking(tmp_path)'s data.tokenizer_cache
+    return stderr
+
+
+@pytest.mark.parametrize("decoder,override,message", DECODER_BAD_VALUES)
+def test_bad_decoder_option_fails_before_any_work(decoder, override, message, tmp_path,
+                                                  monkeypatch, capsys):
+    stderr = fails_before_any_work(fit, ["--decoder", decoder, *TINY, *tracking(tmp_path), override],
+                                   tmp_path, monkeypatch, capsys)
+    assert message in stderr
+
+
+@pytest.mark.parametrize("override,message", BAD_VALUES)
+def test_bad_value_fails_before_any_work(override, message, tmp_path, monkeypatch, capsys):
+    stderr = fails_before_any_work(fit, [*TINY, *tracking(tmp_path), override], tmp_path,
+                                   monkeypatch, capsys)
+    assert message in stderr
+
+
+@pytest.mark.parametrize("decoder,override,message", DECODER_BAD_VALUES)
+def test_the_constructor_refuses_the_same_values_in_the_same_words(decoder, override, message):
+    """One statement of the ranges (`option_ranges`): the constructor, for direct API users,
+    raises a ValueError with the configuration check's message."""
+    options = {k: v for k, v in compose("keyphrase", decoder, None, TINY).decoder.items() if k != "name"}
+    key, value = override.split("=")
+    options[key[len("decoder."):]] = yaml.safe_load(value)
+    with pytest.raises(ValueError) as err:
+        build_decoder(decoder, T5Config(d_model=32), SPECIAL, **options)
+    assert str(err.value) == message
+
+
+def test_every_numeric_decoder_option_is_in_the_table():
+    from decoders import available, decoder_class
+    tested = {(decoder, override.split("=")[0][len("decoder."):])
+              for decoder, override, _ in DECODER_BAD_VALUES}
+    for name in available():
+        parameters = inspect.signature(decoder_class(name).__init__).parameters
+        numeric = {option for option, p in parameters.items()
+                   if isinstance(p.default, (int, float)) and not isinstance(p.default, bool)}
+        assert numeric == {option for decoder, option in tested if decoder == name}, name
+
+
+@pytest.mark.parametrize("key", ["tracking.artifact_location", "data.tokenizer_cache"])
+def test_a_folder_that_cannot_be_made_fails_before_any_work(key, tmp_path, monkeypatch, capsys):
+    folder = not_a_folder(tmp_path)
+    stderr = fails_before_any_work(fit, [*TINY, *tracking(tmp_path), f"{key}={folder}"], tmp_path,
+                                   monkeypatch, capsys)
+    assert f"{key}={str(folder)!r} cannot be used as a folder" in stderr
+
+
+@pytest.mark.parametrize("content", [{"state_dict": {}}, {"weights": torch.zeros(2)}, [1, 2]])
+def test_a_file_without_the_library_keys_is_not_a_checkpoint(content, tmp_path, monkeypatch, capsys):
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save(content, foreign)
+    stderr = fails_before_any_work(fit, [*TINY, *tracking(tmp_path), f"train.init_from={foreign}"],
+                                   tmp_path, monkeypatch, capsys)
+    assert f"{foreign} is not a checkpoint written by tasks.fit: it has no hyper_parameters.cfg" in stderr
+    stderr = fails_before_any_work(test_entry, ["--ckpt", str(foreign), *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "is not a checkpoint written by tasks.fit" in stderr
+
+
+@pytest.mark.parametrize("entry,argv,message", [
+    ("compare", ["--decoders", "pipelined", "--sweep", "decoder.delay=1,0"],
+     "decoder.delay must be an integer >= 1, got 0"),
+    ("compare", ["--decoders", "sequential,blockwise", "--sweep", "decoder.block_size=4,1"],
+     "decoder.block_size must be an integer >= 2"),
+    ("compare", ["--decoders", "pipelined", "--sweep", "decoder.max_subsequences=0"],
+     "decoder.max_subsequences must be an integer >= 1, got 0"),
+    ("compare", ["--decoders", "sequential", "--ckpt", "some/path.ckpt"],
+     "--ckpt 'some/path.ckpt': expected NAME=PATH with NAME one of --decoders (sequential)"),
+    ("compare", ["--decoders", "sequential", "--ckpt", "nar=some/path.ckpt"],
+     "--ckpt 'nar=some/path.ckpt': expected NAME=PATH with NAME one of --decoders (sequential)"),
+    ("compare", ["--decoders", "sequential", "--speed-examples", "0"], "--speed-examples must be >= 1"),
+    ("compare", ["--decoders", "sequential", "--threads", "-1"], "--threads must be >= 1"),
+    ("compare", ["--decoders", "sequential", "trainer.devices=0"], "trainer.devices must be"),
+    ("reference_calls", ["--decoders", "sequential,nar", "--sweep", "decoder.iterations=0,2"],
+     "decoder.iterations must be an integer >= 1, got 0"),
+])
+def test_bad_comparison_arguments_fail_before_any_work(entry, argv, message, tmp_path, monkeypatch,
+                                                       capsys):
+    from tasks import compare, reference_calls
+    module = {"compare": compare, "reference_calls": reference_calls}[entry]
+    stderr = fails_before_any_work(module, [*argv, *TINY, *tracking(tmp_path)], tmp_path,
+                                   monkeypatch, capsys)
+    assert message in stderr
+
+
+def test_command_line_exits_2_without_a_traceback(tmp_path):
+    """The same through a real command line (one case: a process costs seconds of imports)."""
+    done = subprocess.run([sys.executable, "-m", "tasks.fit", "--decoder", "pipelined", "decoder.delay=0",
+                           *TINY, *tracking(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: decoder.delay must be an integer >= 1, got 0" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "tok").exists()

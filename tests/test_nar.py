@@ -273,8 +273,8 @@ def test_layout_is_the_sequential_flat_target():
 @pytest.mark.parametrize("options,needle", [
     ({"iterations": 0}, "decoder.iterations must be an integer >= 1, got 0"),
     ({"length_candidates": 0},
-     "decoder.length_candidates must be an integer in 1..max_length=96, got 0"),
-    ({"length_candidates": 5, "max_length": 4}, "in 1..max_length=4, got 5"),
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (96), got 0"),
+    ({"length_candidates": 5, "max_length": 4}, "<= decoder.max_length (4), got 5"),
     ({"length_loss_weight": -1.0}, "decoder.length_loss_weight must be a finite number >= 0, got -1.0"),
     ({"max_length": 0}, "decoder.max_length must be an integer >= 1, got 0"),
 ])

@@ -260,5 +260,5 @@ def test_loss_is_cross_entropy_over_all_labels():
 
 
 def test_bad_options():
-    with pytest.raises(ValueError, match="decoder.delay must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="decoder.delay must be an integer >= 1, got 0"):
         pipelined(tiny_t5(0), delay=0)
