@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The commands behind the README's "Results" tables (CPU, 2 threads). Run from the repository root:
+# The commands behind the README's "Results" tables (CPU; THREADS=N sets the torch threads, default 2).
+# Run from the repository root:
 #
 #   results/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
 #   results/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
@@ -16,7 +17,7 @@
 # interleaved on the first 100 test examples (median of 3 passes after a warm-up). Checkpoints are in
 # mlruns/artifacts/<run id>/checkpoints/; each run's `tested_checkpoint` tag names the one tested.
 set -euo pipefail
-SPEED="--speed-examples 100 --repeats 3 --threads 2 eval.batch_size=16 trainer.enable_progress_bar=false"
+SPEED="--speed-examples 100 --repeats 3 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false"
 SWEEP="--sweep decoder.iterations=1,2,4,10"
 case "${1:-}" in
     keyphrase)
