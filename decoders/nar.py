@@ -16,16 +16,29 @@ Decode: predict the top-`length_candidates` lengths; for each, start from L mask
         confident tokens (ties: lower position first) and predict them again, updating tokens and
         confidences only at the re-masked positions. Keep the candidate with the highest mean
         log-probability; output its tokens up to the first end token, split on the separator.
+        A token's confidence is its log-probability under the softmax over the whole vocabulary
+        (the mask token included, though it is never predicted), taken block by block of positions
+        so that no second (B*k, W, V) tensor exists beside the logits.
 
-Counting: all candidates of all examples go through ONE batched decoder call per iteration, so every
-example takes part in exactly `iterations` decoder calls, whatever its length (`decoder_calls`);
+Counting: floor(L*(T-t)/T) shrinks as t grows, and an iteration that re-masks nothing would change
+nothing, so a candidate of length L needs `mask_predict_passes(L, T)` = T + 1 - ceil(T/L) passes
+(T whenever L >= T; one pass for L = 1). All candidates of all examples go through ONE batched
+decoder call per pass, and the batch runs as many passes as its longest candidate needs
+(`batch_decoder_calls`). An example's `decoder_calls` are the passes in which one of its own
+candidates had something re-masked, i.e. those its longest candidate needs: a function of the
+example alone, the same decoded alone or in any batch. Longer rows of a batch can make it run more
+passes than an example needs; in those its rows ride along unchanged. `calls_for_output` counts
+them from the length L of an output as a model that reproduces it writes it (its flat target,
+end token last): exact with one candidate; with several, the other candidates' lengths are the
+model's, so it is known only when max(L, candidates) >= T (k distinct lengths, the longest is
+>= k) and None otherwise.
 `tokens` is the chosen candidate's length L (every position is produced, the end token included).
 `hit_max_steps` is True when the predicted length is the bound `max_length` and no end token came,
 i.e. the output may have been cut by the bound.
 
 Position bias: T5's decoder owns a relative-position table made for unidirectional (past-only)
-buckets. Here keys also lie in the future, so the bucket is
-`_relative_position_bucket(key_pos - query_pos, bidirectional=True, ...)` looked up in the first
+buckets. Here keys also lie in the future, so the bucket is T5's bidirectional bucketing of
+key_pos - query_pos (`base.relative_position_bias(..., bidirectional=True)`) looked up in the first
 decoder layer's `relative_attention_bias`, as T5's encoder does with its own table. With 32 buckets
 the past distances then use buckets 0..15 (coarser) and future distances 16..31, rows that a
 pretrained T5 decoder learned for long past distances: fine-tuning re-learns them. This keeps the
@@ -48,7 +61,8 @@ from torch import nn
 
 from decoders import register
 from decoders.base import (DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
-                           hidden_mask, output_logits, pad_batch, run_decoder, split_on)
+                           hidden_mask, output_logits, pad_batch, relative_position_bias,
+                           run_decoder, split_flat_output)
 from decoders.sequential import join_subsequences
 
 
@@ -60,13 +74,10 @@ def bidirectional_position_bias(model, width: int, device: torch.device) -> torc
     -> (1, heads, width, width). Bucket of (query q, key k) = T5's bidirectional bucketing of k - q,
     through the first decoder layer's bias table (only layer 0 owns one; see the module docstring).
     """
-    attention = model.decoder.block[0].layer[0].SelfAttention
     positions = torch.arange(width, device=device)
-    relative = positions[None, :] - positions[:, None]            # (queries, keys): key - query
-    buckets = attention._relative_position_bucket(
-        relative, bidirectional=True, num_buckets=attention.relative_attention_num_buckets,
-        max_distance=attention.relative_attention_max_distance)
-    return attention.relative_attention_bias(buckets).permute(2, 0, 1)[None]
+    # base's distance is how far the key lies in the past, q - k; it buckets -distance = k - q
+    distance = positions[:, None] - positions[None, :]            # (queries, keys): query - key
+    return relative_position_bias(model, distance[None], bidirectional=True)
 
 
 def self_attention_bias(model, valid: torch.Tensor) -> torch.Tensor:
@@ -105,6 +116,16 @@ def tokens_to_remask(confidence: torch.Tensor, lengths: torch.Tensor, iteration:
     return (rank < count[:, None]) & valid
 
 
+def mask_predict_passes(length: int, iterations: int) -> int:
+    """Decoder passes Mask-Predict needs for a target of `length` L >= 1 with T = `iterations`.
+
+    Pass 0 predicts all L positions; iteration t = 1..T-1 re-masks floor(L*(T-t)/T) of them, which
+    is > 0 iff T - t >= T/L, i.e. t <= T - ceil(T/L) (the count only shrinks with t). Iterations
+    that re-mask nothing change nothing and are skipped: 1 + T - ceil(T/L) passes, T if L >= T.
+    """
+    return iterations + 1 - -(-iterations // length)
+
+
 def sample_training_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """CMLM training mask: per row n ~ U{1..L}, then n of the L real positions uniformly at random.
 
@@ -119,6 +140,12 @@ def sample_training_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     keys = torch.rand(batch, width, device=device).masked_fill(~valid, 2.0)
     rank = keys.argsort(dim=1).argsort(dim=1)                                                # (B, W)
     return rank < count[:, None]
+
+
+# How many log-probabilities decoding computes at a time, whole positions per block (32 MiB in
+# float32): a twelfth of the (N, W, V) logits at N=32, W=96 and T5's 32k vocabulary, one block for
+# small batches. Smaller blocks save little more and cost more kernel launches per pass on a GPU.
+LOG_SOFTMAX_BLOCK = 2 ** 23
 
 
 # ---- the decoder ----------------------------------------------------------------------------------
@@ -186,7 +213,15 @@ class MaskPredictDecoder(Decoder):
         }
 
     def calls_for_output(self, subsequences):
-        return self.iterations  # whatever the output's length
+        # L as decoding produces it: the flat target up to its end token, cut to max_length
+        length = min(len(join_subsequences(subsequences, self.special.sep, self.special.eos)),
+                     self.max_length)
+        # The other candidates' lengths are the model's, k distinct lengths, so the longest is >= k:
+        # the count is known when max(L, k) already needs every iteration (or when k = 1).
+        calls = mask_predict_passes(max(length, self.length_candidates), self.iterations)
+        if self.length_candidates > 1 and calls < self.iterations:
+            return None
+        return calls
 
     def loss(self, model, input_ids, attention_mask, layout):
         target, lengths = layout["target"], layout["lengths"]                # (B, W), (B,)
@@ -207,14 +242,29 @@ class MaskPredictDecoder(Decoder):
 
     # -- generation ----------------------------------------------------------------------------
     def _predict(self, model, decoder_input, bias, encoder_states, encoder_mask):
-        """One decoder call -> (argmax tokens, their log-probabilities), both (N, W)."""
+        """One decoder call -> (tokens, confidences), both (N, W): the most likely token other than
+        the mask token, and its log-probability under the softmax over the WHOLE vocabulary.
+
+        The log-softmax runs block by block of positions (at most LOG_SOFTMAX_BLOCK values) into
+        one reused buffer: it is computed row by row, so the values are bit for bit those of one
+        log-softmax over all (N, W, V) logits, without a second tensor of that size beside them.
+        """
         hidden = self.decoder_hidden(model, decoder_input, bias, encoder_states, encoder_mask)
-        log_probs = at_least_float32(output_logits(model, hidden)).log_softmax(-1)     # (N, W, V)
-        # The mask token is never a label, so predicting it means nothing (and it would be
-        # stripped from the text anyway): exclude it from the argmax.
-        log_probs[..., self.special.mask] = float("-inf")
-        confidence, tokens = log_probs.max(-1)
-        return tokens, confidence
+        logits = at_least_float32(output_logits(model, hidden))                        # (N, W, V)
+        flat = logits.flatten(0, 1)                                                    # (N*W, V)
+        positions, vocabulary = flat.shape
+        rows = min(positions, max(1, LOG_SOFTMAX_BLOCK // vocabulary))
+        log_probs = flat.new_empty(rows, vocabulary)                  # the buffer of every block
+        confidence = flat.new_empty(positions)                                          # (N*W,)
+        tokens = torch.empty(positions, dtype=torch.long, device=flat.device)          # (N*W,)
+        for start in range(0, positions, rows):
+            end = min(start + rows, positions)
+            block = torch.log_softmax(flat[start:end], -1, out=log_probs[: end - start])
+            # The mask token is never a label, so predicting it means nothing (and it would be
+            # stripped from the text anyway): excluded from the argmax, not from the normaliser.
+            block[:, self.special.mask] = float("-inf")
+            torch.max(block, -1, out=(confidence[start:end], tokens[start:end]))
+        return tokens.view(logits.shape[:2]), confidence.view(logits.shape[:2])
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
@@ -231,7 +281,12 @@ class MaskPredictDecoder(Decoder):
         encoder_states = encoder_states.repeat_interleave(k, dim=0)         # (N, S, d_model)
         encoder_mask = attention_mask.repeat_interleave(k, dim=0)           # (N, S)
 
-        width = int(lengths.max())
+        # The one read-back before decoding: the width and every pass's re-mask counts follow from
+        # the lengths alone, so the loop below needs no other.
+        candidate_lengths = lengths.tolist()                                # (N,) on the host
+        width = max(candidate_lengths)
+        calls = [mask_predict_passes(max(candidate_lengths[i * k:(i + 1) * k]), self.iterations)
+                 for i in range(batch_size)]                                # (B,) see the docstring
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]    # (N, W)
         bias = self_attention_bias(model, valid)  # (N, heads, W, W): the same for every iteration
         mask_input = torch.where(valid, self.special.mask, self.special.pad)     # (N, W)
@@ -239,7 +294,7 @@ class MaskPredictDecoder(Decoder):
         # iteration 0: every position masked, all predicted in one pass
         tokens, confidence = self._predict(model, mask_input, bias, encoder_states, encoder_mask)
         tokens = torch.where(valid, tokens, self.special.pad)  # padding stays padding in later inputs
-        for t in range(1, self.iterations):
+        for t in range(1, max(calls)):  # the later iterations would re-mask nothing
             remask = tokens_to_remask(confidence, lengths, t, self.iterations)            # (N, W)
             decoder_input = torch.where(remask, self.special.mask, tokens)                # (N, W)
             new_tokens, new_confidence = self._predict(model, decoder_input, bias, encoder_states,
@@ -251,21 +306,19 @@ class MaskPredictDecoder(Decoder):
         # the candidate with the highest mean log-probability (first, i.e. most likely length, on ties)
         mean_log_prob = (confidence.masked_fill(~valid, 0.0).sum(1) / lengths).view(batch_size, k)
         best = mean_log_prob.argmax(1) + torch.arange(batch_size, device=device) * k      # (B,) row in N
-        chosen_lengths = lengths[best].tolist()
-        chosen_tokens = tokens[best].tolist()
+        chosen = torch.cat([best[:, None], tokens[best]], dim=1).tolist()  # the results' one read-back
 
-        subsequences, hit_bound = [], []
-        for row, length in zip(chosen_tokens, chosen_lengths):
-            row = row[:length]
-            ended = self.special.eos in row
-            if ended:
-                row = row[: row.index(self.special.eos)]
-            subsequences.append(split_on(row, self.special.sep))
+        subsequences, chosen_lengths, hit_bound = [], [], []
+        for row, *chosen_tokens in chosen:
+            length = candidate_lengths[row]
+            parts, ended = split_flat_output(chosen_tokens[:length], self.special)
+            subsequences.append(parts)
+            chosen_lengths.append(length)
             hit_bound.append(length == self.max_length and not ended)
         return DecodeOutput(
             subsequences=subsequences,
-            decoder_calls=[self.iterations] * batch_size,
+            decoder_calls=calls,
             tokens=chosen_lengths,
             hit_max_steps=hit_bound,
-            batch_decoder_calls=self.iterations,
+            batch_decoder_calls=max(calls),
         )

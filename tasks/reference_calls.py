@@ -4,7 +4,8 @@
         [--split test] [--sweep decoder.delay=1,2] [--out FILE.json] [key=value ...]
 
 Sequential decoding makes one decoder call per token, pipelined decoding one per step of its
-subsequence schedule, Mask-Predict `iterations`: for these decoders the number of calls follows from
+subsequence schedule, Mask-Predict `iterations` (fewer for a target shorter than that): for these
+decoders the number of calls follows from
 the output alone (`Decoder.calls_for_output`). Counted on the references, it is what a model that
 reproduces them would need: the saving a decoder's structure allows on a dataset, known before (or
 without) training on it. A trained model's own counts (tasks.fit, tasks.compare) differ as far as

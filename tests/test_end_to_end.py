@@ -84,8 +84,8 @@ def test_every_decoder_fits_and_decodes_every_task(task, decoder, tmp_path):
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["decoder.name"] == decoder
     assert QUALITY[task] in result["scores"] and result["scores"]["examples_per_second"] > 0
-    if decoder == "nar":  # one decoder call per Mask-Predict iteration, whatever the output length
-        assert result["scores"]["decoder_calls_per_example"] == 4.0
+    if decoder == "nar":  # one call per Mask-Predict iteration, fewer for outputs shorter than 4
+        assert 1.0 <= result["scores"]["decoder_calls_per_example"] <= 4.0
 
 
 @pytest.mark.slow

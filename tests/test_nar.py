@@ -1,5 +1,5 @@
-"""The non-autoregressive (Mask-Predict) decoder: call counting, length predictor, re-masking
-schedule, batching, bidirectional attention, training."""
+"""The non-autoregressive (Mask-Predict) decoder: call counting, host syncs, confidences and their
+memory, length predictor, re-masking schedule, batching, bidirectional attention, training."""
 import math
 
 import pytest
@@ -9,9 +9,10 @@ import torch.nn.functional as F
 import decoders.nar as nar
 from decoders import build_decoder
 from decoders.base import encode, hidden_mask, output_logits, relative_position_bias, run_decoder
+from decoders.sequential import join_subsequences
 from tasks.config import compose
 from transformers import T5Config
-from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
+from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
 pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
@@ -24,28 +25,198 @@ def make(model, seed=0, **options):
 
 # -- 1. decoder calls ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("iterations,candidates", [(1, 1), (3, 1), (4, 3)])
-def test_decoder_calls_equal_iterations_whatever_the_length(iterations, candidates):
-    model = tiny_t5(0)
-    decoder = make(model, iterations=iterations, length_candidates=candidates, max_length=12)
-    calls = []
+def force_length(decoder, length):
+    """Every example's predicted length is `length` (the length predictor's bias alone)."""
+    with torch.no_grad():
+        decoder.length_predictor.weight.zero_()
+        decoder.length_predictor.bias.copy_(torch.eye(decoder.max_length)[length - 1] * 10)
+
+
+def count_passes(decoder):
+    """Wrap the decoder's pass; returns the list that receives (rows, width) of each real pass."""
+    passes = []
     real_pass = decoder.decoder_hidden
 
     def counting_pass(model, decoder_input, *args):
-        calls.append(decoder_input.shape)  # (rows, width) of each real decoder pass
+        passes.append(tuple(decoder_input.shape))
         return real_pass(model, decoder_input, *args)
+    decoder.decoder_hidden = counting_pass
+    return passes
+
+
+def test_passes_are_the_iterations_that_remask_something():
+    """The closed form against the schedule itself: pass 0, then every t whose re-mask set is not
+    empty (n_t only shrinks with t, so these are the first ones)."""
+    for T in range(1, 9):
+        for L in range(1, 21):
+            remasking = [bool(nar.tokens_to_remask(torch.zeros(1, L), torch.tensor([L]), t, T).any())
+                         for t in range(1, T)]
+            assert remasking == sorted(remasking, reverse=True)            # a prefix of 1..T-1
+            assert nar.mask_predict_passes(L, T) == 1 + sum(remasking), (L, T)
+    # by hand (T = 4): L = 1 re-masks nothing after pass 0; L = 2, 3 nothing at t = 3
+    assert [nar.mask_predict_passes(L, 4) for L in (1, 2, 3, 4, 5, 96)] == [1, 3, 3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("length,iterations,passes", [
+    (1, 4, 1), (2, 4, 3), (3, 4, 3), (4, 4, 4), (9, 4, 4), (2, 6, 4), (4, 6, 5), (5, 1, 1)])
+def test_iterations_that_remask_nothing_are_not_run(length, iterations, passes):
+    model = tiny_t5(0)
+    decoder = make(model, iterations=iterations, max_length=12)
+    force_length(decoder, length)
+    run = count_passes(decoder)
+    out = decoder.generate(model, *random_batch(5, seed=3))
+    assert out.tokens == [length] * 5
+    assert run == [(5, length)] * passes                  # one batched pass of every row each time
+    assert out.batch_decoder_calls == passes and out.decoder_calls == [passes] * 5
+
+
+@pytest.mark.parametrize("candidates", [1, 3])
+def test_example_calls_are_its_longest_candidates_passes(candidates):
+    """A batch runs the passes its longest candidate needs; each example reports those of its own
+    longest candidate (the top-k lengths, read here from the length predictor)."""
+    model = tiny_t5(0)
+    T = 6
+    decoder = make(model, iterations=T, length_candidates=candidates, max_length=6)
+
+    def own_calls(input_ids, attention_mask):
+        scores = decoder.length_logits(encode(model, input_ids, attention_mask), attention_mask)
+        longest = (scores.topk(candidates, dim=1).indices + 1).amax(1)       # (B,)
+        return [nar.mask_predict_passes(L, T) for L in longest.tolist()]
 
     def varied(input_ids, attention_mask):
-        """different predicted output lengths (else vacuous)"""
-        return len(set(decoder.generate(model, input_ids, attention_mask).tokens)) >= 2
+        """examples that need different numbers of passes"""
+        return len(set(own_calls(input_ids, attention_mask))) >= 2
     input_ids, attention_mask = first_batch_where(varied, 6, seed=10)
-    decoder.decoder_hidden = counting_pass
+    run = count_passes(decoder)
     out = decoder.generate(model, input_ids, attention_mask)
-    assert len(calls) == iterations == out.batch_decoder_calls
-    assert all(rows == 6 * candidates for rows, _ in calls)  # all candidates in one batched call
-    assert out.decoder_calls == [iterations] * 6
-    assert all(1 <= t <= 12 for t in out.tokens)
-    assert [decoder.calls_for_output(s) for s in out.subsequences] == out.decoder_calls
+    assert out.decoder_calls == own_calls(input_ids, attention_mask)
+    assert len(run) == out.batch_decoder_calls == max(out.decoder_calls)
+    assert all(rows == 6 * candidates for rows, _ in run)  # all candidates in one batched call
+
+
+REFERENCES = [[], [[10]], [[10, 11]], [[10], [12]], [[10, 11], [12]], [[10, 11], [12, 13]],
+              [[10, 11, 12], [13], [14]]]                   # flat lengths 1, 2, 3, 4, 5, 6, 8
+
+
+@pytest.mark.parametrize("iterations", [1, 3, 4, 6])
+def test_calls_for_output_equals_decoding(iterations, monkeypatch):
+    """A model that reproduces each reference exactly (its vocabulary projection scripted to the
+    reference's flat target, whatever the inputs) takes `calls_for_output(reference)` passes of
+    the real decoding loop."""
+    model = tiny_t5(0)
+    for reference in REFERENCES:
+        flat = join_subsequences(reference, SPECIAL.sep, SPECIAL.eos)                 # (L,)
+
+        def scripted(model, hidden):                                                 # (N, L, d)
+            return F.one_hot(torch.tensor(flat), VOCAB).to(hidden.dtype).expand(
+                hidden.size(0), -1, -1) * 5.0                                        # (N, L, V)
+        monkeypatch.setattr(nar, "output_logits", scripted)
+        decoder = make(model, iterations=iterations, max_length=12)
+        force_length(decoder, len(flat))
+        run = count_passes(decoder)
+        out = decoder.generate(model, *random_batch(3, seed=1))
+        assert out.subsequences == [reference] * 3 and out.hit_max_steps == [False] * 3
+        assert out.decoder_calls == [decoder.calls_for_output(reference)] * 3 == [len(run)] * 3
+        assert len(run) == nar.mask_predict_passes(len(flat), iterations)
+
+
+def test_calls_for_output_with_several_candidates_is_none_where_the_model_decides():
+    """With k candidates the example also takes the passes of its longest one, a model-chosen
+    length >= k (k distinct lengths): known when max(L, k) >= T, else model-dependent (None)."""
+    model = tiny_t5(0)
+    three = make(model, iterations=4, length_candidates=3, max_length=12)
+    assert three.calls_for_output([[10, 11], [12]]) == 4                     # L = 5 >= T
+    assert three.calls_for_output([[10], [12]]) == 4                         # L = 4
+    assert three.calls_for_output([[10, 11]]) is None                        # L = 3, k = 3 < T
+    four = make(model, iterations=4, length_candidates=4, max_length=12)
+    assert four.calls_for_output([]) == 4                                    # some candidate is >= 4
+    # a reference longer than max_length is cut to it, as in training: 3 positions, 3 passes
+    short = make(model, iterations=4, max_length=3)
+    assert short.calls_for_output([[10, 11, 12, 13, 14]]) == 3
+
+
+def test_host_syncs_do_not_grow_with_iterations():
+    """One read-back of the candidate lengths before decoding, one of the results after, whatever T
+    (the encoder's own syncs, inside transformers, counted apart)."""
+    from tasks.sync_points import counting_sync_points
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(4, seed=2)
+    with torch.no_grad(), counting_sync_points() as encoder_only:
+        encode(model, input_ids, attention_mask)
+    for T in (1, 6):
+        decoder = make(model, iterations=T, length_candidates=2, max_length=12)
+        with counting_sync_points() as counter:
+            out = decoder.generate(model, input_ids, attention_mask)
+        assert out.batch_decoder_calls > 1 or T == 1
+        assert counter.count - encoder_only.count == 2, T
+
+
+# -- 1b. confidences without a second vocabulary-sized tensor ----------------------------------
+
+def one_pass(model, length=8, batch=4):
+    """The inputs of one decoding pass: every third position a token, the others masked."""
+    input_ids, attention_mask = random_batch(batch, seed=5)
+    states = encode(model, input_ids, attention_mask)
+    decoder_input = torch.full((batch, length), SPECIAL.mask)
+    decoder_input[:, 1::3] = torch.arange(10, 10 + batch)[:, None]
+    bias = nar.self_attention_bias(model, torch.ones(batch, length, dtype=torch.bool))
+    return decoder_input, bias, states, attention_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rows_per_block", [1, 5, 32])   # 32 rows: the whole pass in one block
+def test_confidences_are_bit_for_bit_todays_log_softmax(dtype, rows_per_block, monkeypatch):
+    """Tokens and confidences of one pass equal those of a log-softmax over all logits at once,
+    bit for bit in float32 too, whatever the blocks (5 rows: a shorter last block)."""
+    model = tiny_t5(0)
+    decoder = make(model, max_length=12)
+    args = one_pass(model)                                                          # N*W = 32
+    with torch.no_grad():
+        logits = output_logits(model, decoder.decoder_hidden(model, *args)).to(dtype)  # (N, W, V)
+    # the mask token leading at every other position (by half a unit): there it must be skipped by
+    # the argmax and still count in the normaliser
+    logits[:, ::2, SPECIAL.mask] = logits[:, ::2].amax(-1) + 0.5
+    monkeypatch.setattr(nar, "output_logits", lambda model, hidden: logits)
+    monkeypatch.setattr(nar, "LOG_SOFTMAX_BLOCK", rows_per_block * VOCAB)
+    with torch.no_grad():
+        tokens, confidence = decoder._predict(model, *args)
+    reference = logits.log_softmax(-1)
+    reference[..., SPECIAL.mask] = float("-inf")
+    expected_confidence, expected_tokens = reference.max(-1)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(confidence, expected_confidence)
+
+
+def test_one_vocabulary_sized_tensor_and_one_block_buffer_per_pass(monkeypatch):
+    """The tensors with a vocabulary axis that a pass allocates: the (N, W, V) logits and ONE
+    block buffer, reused by every block (a log-softmax of all logits would be a second (N, W, V)
+    tensor, as big as the logits)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    model = tiny_t5(0)
+    decoder = make(model, max_length=12)
+    args = one_pass(model)
+    with torch.no_grad():
+        hidden = decoder.decoder_hidden(model, *args)                      # (N, W, d_model)
+    monkeypatch.setattr(decoder, "decoder_hidden", lambda *_: hidden)      # only the head is seen
+    monkeypatch.setattr(nar, "LOG_SOFTMAX_BLOCK", 5 * VOCAB)              # 7 blocks of N*W = 32
+
+    class NewTensorsWithAVocabularyAxis(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            inputs = {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values())
+                      if isinstance(a, torch.Tensor)}                      # out= buffers too
+            out = func(*args, **kwargs)
+            for o in out if isinstance(out, tuple) else (out,):
+                if (isinstance(o, torch.Tensor) and o.dim() >= 2 and o.size(-1) == VOCAB
+                        and o.untyped_storage().data_ptr() not in inputs):
+                    self.sizes.append(o.numel() // VOCAB)                  # positions it holds
+            return out
+    with torch.no_grad(), NewTensorsWithAVocabularyAxis() as allocations:
+        decoder._predict(model, *args)
+    assert sorted(allocations.sizes) == [5, 32]
 
 
 # -- 2. length predictor -----------------------------------------------------------------------
@@ -158,14 +329,19 @@ def test_training_mask_is_uniform_in_count_and_stays_inside_the_target():
 
 # -- 4. batching -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("candidates", [1, 3])
-def test_batch_equals_one_at_a_time(candidates):
+@pytest.mark.parametrize("candidates,iterations,max_length", [(1, 3, 12), (3, 3, 12), (1, 6, 6),
+                                                             (3, 6, 6)])
+def test_batch_equals_one_at_a_time(candidates, iterations, max_length):
     model = tiny_t5(1)
-    decoder = make(model, iterations=3, length_candidates=candidates, max_length=12)
+    decoder = make(model, iterations=iterations, length_candidates=candidates,
+                   max_length=max_length)
+
     def varied(input_ids, attention_mask):
-        """different source lengths and different output lengths"""
-        return (len(set(attention_mask.sum(1).tolist())) >= 3
-                and len(set(decoder.generate(model, input_ids, attention_mask).tokens)) >= 2)
+        """different source lengths, output lengths and, where lengths below T are likely,
+        decoder calls"""
+        out = decoder.generate(model, input_ids, attention_mask)
+        return (len(set(attention_mask.sum(1).tolist())) >= 3 and len(set(out.tokens)) >= 2
+                and (max_length > iterations or len(set(out.decoder_calls)) >= 2))
     input_ids, attention_mask = first_batch_where(varied, 5, seed=3)
     assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
