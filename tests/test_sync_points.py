@@ -1,0 +1,50 @@
+"""Host-device synchronisation points (`tasks.sync_points`): at most one per decoder call for every
+registered decoder, plus two per decode (transformers' encoder reads its mask back once; the results
+are read back once at the end). On a GPU each is a stall of the whole queue."""
+import json
+
+import pytest
+import torch
+
+from decoders import available
+from tasks import sync_points
+
+
+@pytest.fixture(scope="module")
+def counted():
+    model = sync_points.tiny_random_t5()
+    input_ids, attention_mask = sync_points.random_inputs(8, model.config.vocab_size)
+    return sync_points.sync_points_per_call(model, input_ids, attention_mask, steps=16)
+
+
+@pytest.mark.parametrize("name", available())
+def test_at_most_one_sync_point_per_decoder_call(name, counted):
+    row = counted[name]
+    assert row["decoder_calls"] >= 1
+    assert row["sync_points"] <= row["decoder_calls"] + 2, row
+
+
+def test_the_counter_sees_every_kind_of_sync_point():
+    """Not vacuous: each way of waiting for the device is counted once."""
+    x = torch.arange(6.0)
+    mask = x > 2
+    with sync_points.counting_sync_points() as counter:
+        x.sum().item()
+        x.tolist()
+        bool(x.any())
+        x.nonzero()
+        x[mask]
+        x.masked_select(mask)
+        int(x[0])
+    assert counter.count == 7
+    with sync_points.counting_sync_points() as counter:
+        torch.where(mask, x, 0.0).gather(0, torch.tensor([1, 2])).argmax()
+    assert counter.count == 0  # tensor ops alone never wait
+
+
+def test_command_writes_the_table(tmp_path, capsys):
+    out = tmp_path / "sync.json"
+    result = sync_points.main(["--batch-size", "4", "--steps", "8", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result) == {"transformers generate", *available()}
+    assert "sync points per decoder call" in capsys.readouterr().out
