@@ -15,6 +15,17 @@ SPLITS = ("train", "validation", "test")
 LOCAL_SOURCES = ("builtin", "jsonl")
 
 
+def usable_folder(path, key: str, error: type[Exception]) -> Path:
+    """The folder configuration key `key` names, made if missing; `error` naming the key and the
+    reason if it cannot be one (a file in the way, no permission), before any work relies on it."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise error(f"{key}={str(path)!r} cannot be used as a folder: {err}") from err
+    return folder
+
+
 def read_jsonl(path: Path, task: str) -> list[dict]:
     """Read and validate one JSONL split (`<split>.jsonl`); errors name the file and line."""
     if not path.is_file():

@@ -89,13 +89,8 @@ def _train(texts: list[str], vocab_size: int) -> Tokenizer:
 def cache_folder(cache_dir: str | os.PathLike) -> Path:
     """`cache_dir` (`data.tokenizer_cache`), made if missing; a TokenizerError naming the key if it
     cannot be a folder. Called before the training data is read, not after training."""
-    folder = Path(cache_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # e.g. a file in the way, or no permission
-        raise TokenizerError(f"data.tokenizer_cache={str(cache_dir)!r} cannot be used as a folder: "
-                             f"{err}") from err
-    return folder
+    from datamodules.sources import usable_folder
+    return usable_folder(cache_dir, "data.tokenizer_cache", TokenizerError)
 
 
 def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.PathLike) -> PreTrainedTokenizerFast:

@@ -38,7 +38,7 @@ from datamodules.tokenizer import special_tokens
 from tasks.config import ConfigError, compose
 from tasks.module import TASK_MODULES, GenerationTask, timed_generate
 from tasks.test import check_decoder, restore
-from tasks.run import (Built, base_parser, check_tracking, config_differences, decode_device,
+from tasks.run import (write_report, Built, base_parser, check_tracking, config_differences, decode_device,
                        decoder_options, is_model_key, load_checkpoint, log, main_guard, open_tracking,
                        score_into_run, train_and_test)
 
@@ -513,11 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
         row.logger.log_metrics(metrics)
         row.logger.log_hyperparams({f"speed.{key}": value for key, value in conditions.items()})
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
     table = markdown(result)
-    out.with_suffix(".md").write_text(table)
+    out = write_report(args.out, result, table)
     images = plots(rows, result, out.with_suffix(""))
     summary = open_tracking(cfgs[0], f"comparison {comparison_id}",
                             tags={"comparison_id": comparison_id, "role": "summary"})

@@ -20,11 +20,9 @@ tasks.compare measures it) and says so in its output: CPU figures are not GPU fi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -33,7 +31,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from decoders.base import DecodeOutput, split_flat_output
 from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoints
 from tasks.config import ConfigError
-from tasks.run import load_checkpoint, log, main_guard
+from tasks.run import load_checkpoint, log, main_guard, write_report
 from tasks.test import checkpoint_config, restore
 
 CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
@@ -173,10 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
               "precision": args.precision, "repeats": args.repeats, "examples": examples,
               "sequential_equals_generate": identical, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
+    write_report(args.out, result, markdown(result))
     print(markdown(result))
     return result
 

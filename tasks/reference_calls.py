@@ -18,10 +18,8 @@ The first decoder listed is the baseline of the ratio column.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict
-from pathlib import Path
 
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.sources import SPLITS
@@ -30,7 +28,7 @@ from decoders import build_decoder
 from tasks.compare import parse_decoders, parse_sweeps, plan, reference_calls, row_label
 from tasks.config import to_yaml
 from tasks.models import build_backbone
-from tasks.run import base_parser, decoder_options, main_guard
+from tasks.run import base_parser, decoder_options, main_guard, write_report
 
 
 def reference_counts(planned, datamodule: SubsequenceDataModule, split: str) -> list[dict]:
@@ -105,10 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(result)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        out.with_suffix(".md").write_text(table)
+        out = write_report(args.out, result, table)
         print(f"wrote {out} and {out.with_suffix('.md')}")
     return result
 

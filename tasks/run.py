@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
-from datamodules.sources import SPLITS
+from datamodules.sources import SPLITS, usable_folder
 from datamodules.tokenizer import TokenizerError, from_serialized, special_tokens
 from decoders import build_decoder
 from tasks.config import ConfigError, compose, flatten, to_yaml
@@ -98,13 +98,8 @@ def check_tracking(cfg: DictConfig) -> Path:
                               f"new one, or upgrade it with `mlflow db upgrade "
                               f"{cfg.tracking.uri}`") from err
         raise ConfigError(f"cannot open tracking.uri={cfg.tracking.uri!r}: {first_line}") from err
-    artifacts = Path(cfg.tracking.artifact_location).resolve()
-    try:
-        artifacts.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # e.g. a file in the way, or no permission
-        raise ConfigError(f"tracking.artifact_location={cfg.tracking.artifact_location!r} cannot be "
-                          f"used as a folder: {err}") from err
-    return artifacts
+    return usable_folder(Path(cfg.tracking.artifact_location).resolve(),
+                         "tracking.artifact_location", ConfigError)
 
 
 # What MLflow says about a store whose creation or migration was interrupted or raced.
@@ -136,6 +131,15 @@ def store_creation_lock(uri: str):
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         yield
+
+
+def write_report(out: str | Path, result: dict, table: str) -> Path:
+    """A command's result as FILE.json and its markdown table beside it as FILE.md."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(table)
+    return out
 
 
 def experiment_name(cfg: DictConfig) -> str:

@@ -21,15 +21,14 @@ the finish-and-drop logic of every decoder runs; the same inputs go to every dec
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
+from tasks.run import write_report
 
 _SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
 _MASK_INDEXING_OPS = {"index", "index_put", "index_put_"}
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(results, args.batch_size, args.steps)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2))
-        out.with_suffix(".md").write_text(table)
+        write_report(args.out, results, table)
     return results
 
 
