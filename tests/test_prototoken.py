@@ -1,8 +1,11 @@
-"""The one-step (proto-token) decoder: one decoder call per batch, alone == in a batch, the loss
-equals T5's own forward on the proto-token input embeddings, a position's output does not depend on
-the output width (causal), the backbone gets no gradient and stays bit-identical under training,
-checkpoint compatibility. End to end (slow): `tasks.fit --decoder onestep train.init_from=<a
-sequential checkpoint>` keeps that backbone bit for bit.
+"""The one-step (proto-token) decoder and the proto-token reconstruction experiment.
+
+Decoder: one decoder call per batch, alone == in a batch, the loss equals T5's own forward on the
+proto-token input embeddings, a position's output does not depend on the output width (causal),
+the backbone gets no gradient and stays bit-identical under training, checkpoint compatibility.
+Experiment (`tasks.prototokens`): optimised proto-tokens reconstruct short targets exactly, and the
+accuracy it reports is the argmax agreement that T5's own forward gives; end to end (slow), JSON,
+plot and MLflow run. End to end (slow): `tasks.fit --decoder onestep train.init_from=<sequential>`.
 """
 import json
 from pathlib import Path
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from decoders import build_decoder, decoder_class
 from decoders.base import split_flat_output
 from decoders.prototoken import one_pass_logits
+from tasks import prototokens
 from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
@@ -170,11 +174,102 @@ def test_options():
             onestep(tiny_t5(0), max_length=bad)
 
 
+# ---- the reconstruction experiment --------------------------------------------------------------
+
+def encoded(model, batch_size, seed):
+    input_ids, attention_mask = random_batch(batch_size, seed=seed)
+    with torch.no_grad():
+        return model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, attention_mask
+
+
+def reconstruct(model, targets, states, mask, arrangement="e-m", share="none", restarts=1,
+                iterations=200, lr=0.1, seed=0):
+    return prototokens.reconstruct(model, SPECIAL.start, targets, states, mask, arrangement, share,
+                                   restarts, iterations, lr, 0.01, torch.Generator().manual_seed(seed))
+
+
+def own_argmax(model, e, m, pattern, states, mask):
+    """T5's own forward on the proto-token input built from e, m (each (T, d_model)) by `pattern`
+    ((W,) True = e): its argmax tokens (T, W)."""
+    embeds = torch.where(pattern[None, :, None], e[:, None], m[:, None])
+    with torch.no_grad():
+        return model(encoder_outputs=(states,), attention_mask=mask,
+                     decoder_inputs_embeds=embeds).logits.argmax(-1)
+
+
+def test_optimised_proto_tokens_reconstruct_short_targets_exactly():
+    model = tiny_t5(0, initializer_factor=1.0)
+    states, mask = encoded(model, 3, seed=3)
+    targets = [[7], [9, 12], [20, 33]]
+    result = reconstruct(model, targets, states, mask)
+    assert result.perfect.all() and result.correct.tolist() == [[1, 2, 2]]
+    assert (result.iterations < 200).all()  # stopped early, at perfect reconstruction
+    # T5's own forward on the returned proto-tokens writes the targets
+    for t, target in enumerate(targets):
+        pattern = prototokens.ARRANGEMENTS["e-m"](torch.arange(len(target)))
+        argmax = own_argmax(model, result.e[0, t:t + 1], result.m[0, t:t + 1], pattern,
+                            states[t:t + 1], mask[t:t + 1])
+        assert argmax[0].tolist() == target
+
+
+def test_accuracy_counts_the_positions_where_t5s_argmax_is_the_target():
+    """With no optimisation step, the reported count is that of the initial proto-tokens: made
+    exactly 4 of 6 by building the target from T5's own argmax with two positions changed."""
+    model = tiny_t5(0, initializer_factor=1.0)
+    states, mask = encoded(model, 1, seed=3)
+    initial = reconstruct(model, [[5] * 6], states, mask, iterations=0)    # the seed's draws
+    pattern = prototokens.ARRANGEMENTS["e-m"](torch.arange(6))
+    target = own_argmax(model, initial.e[0], initial.m[0], pattern, states, mask)[0].tolist()
+    for position in (1, 3):
+        target[position] = 5 + (target[position] - 5 + 1) % 59            # any other token
+    result = reconstruct(model, [target], states, mask, iterations=0)
+    assert result.correct.tolist() == [[4]] and not result.perfect.any()
+    assert result.iterations.tolist() == [[0]]                               # the budget
+
+
+def test_one_proto_token_cannot_write_two_different_tokens_in_t5():
+    """[e, e, ..., e]: every position attends to identical values (T5 has no absolute positions),
+    so every position writes the same token; [e, m] writes the same target."""
+    model = tiny_t5(0, initializer_factor=1.0)
+    states, mask = encoded(model, 1, seed=3)
+    assert not reconstruct(model, [[9, 12]], states, mask, arrangement="e-e", iterations=60).perfect.any()
+    assert reconstruct(model, [[9, 12]], states, mask, arrangement="e-m", iterations=60).perfect.all()
+
+
+@pytest.mark.parametrize("share", ["m", "e"])
+def test_a_shared_proto_token_is_one_vector_per_restart(share):
+    model = tiny_t5(0, initializer_factor=1.0)
+    states, mask = encoded(model, 4, seed=3)
+    result = reconstruct(model, [[7, 9], [20, 33], [12, 40]], states[:3], mask[:3], share=share,
+                         restarts=2, iterations=5)
+    shared, own = (result.m, result.e) if share == "m" else (result.e, result.m)
+    for r in range(2):
+        assert torch.equal(shared[r, 0], shared[r, 1]) and torch.equal(shared[r, 0], shared[r, 2])
+        assert not torch.equal(own[r, 0], own[r, 1]) and not torch.equal(own[r, 1], own[r, 2])
+    assert not torch.equal(shared[0, 0], shared[1, 0])  # restarts draw their own
+    # a problem is a restart's texts together: the same iteration count for all of them
+    assert all(len(set(row)) == 1 for row in result.iterations.tolist())
+
+
+def test_bad_settings_are_named(tmp_path):
+    with pytest.raises(prototokens.ConfigError, match="--arrangement: 'e-x' is not one of e-m, e-e"):
+        prototokens.main(["--ckpt", "unused", "--arrangement", "e-m,e-x"])
+    with pytest.raises(prototokens.ConfigError, match="--lengths: '0' is not a valid value"):
+        prototokens.main(["--ckpt", "unused", "--lengths", "1,0"])
+    with pytest.raises(prototokens.ConfigError, match="--iterations=-1 must be >= 0"):
+        prototokens.main(["--ckpt", "unused", "--iterations", "-1"])
+    path = tmp_path / "pipelined.ckpt"
+    torch.save({"hyper_parameters": {"cfg": {"decoder": {"name": "pipelined"}}}}, path)
+    with pytest.raises(prototokens.ConfigError, match="trained with decoder 'pipelined'.*not of "
+                                                      "the sequential layout"):
+        prototokens.main(["--ckpt", str(path)])
+
+
 # ---- end to end (slow) -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def sequential_fit(tmp_path_factory):
-    """A TINY sequential fit (the frozen backbone of the end-to-end tests) and its tracking."""
+    """A TINY sequential fit (the frozen backbone of both end-to-end tests) and its tracking."""
     from tasks import fit
     from tests.test_end_to_end import TINY, tracking
     folder = tmp_path_factory.mktemp("sequential")
@@ -218,3 +313,46 @@ def test_onestep_fit_on_a_sequential_checkpoint_keeps_its_backbone(sequential_fi
             test_entry.main(["--ckpt", sequential["checkpoint"], "decoder=onestep", *tracking(folder)])
     finally:
         torch.set_default_dtype(torch.float64)
+
+
+@pytest.mark.slow
+def test_prototokens_writes_json_plot_and_mlflow_run(sequential_fit, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tests.test_end_to_end import tracking
+    sequential, folder = sequential_fit
+    out = tmp_path / "proto" / "result.json"
+    torch.set_default_dtype(torch.float32)
+    try:
+        result = prototokens.main(["--ckpt", sequential["checkpoint"], "--texts", "2",
+                                   "--lengths", "2,1", "--iterations", "100", "--restarts", "2",
+                                   "--lr", "0.1", "--out", str(out), *tracking(folder)])
+    finally:
+        torch.set_default_dtype(torch.float64)
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["lengths"] == [1, 2] and written["texts"] == 2 and written["share"] == "none"
+    assert written["optimizer"] == {"name": "AdamW", "lr": 0.1, "weight_decay": 0.01,
+                                    "betas": [0.9, 0.999], "iterations": 100,
+                                    "init": "standard normal", "early_stop": "perfect reconstruction"}
+    cases = [(r["arrangement"], r["context"], r["length"]) for r in written["results"]]
+    assert cases == [(a, c, n) for a in ("e-m", "e-e", "e-m-alternating")
+                     for c in ("with", "without") for n in (1, 2)]
+    for r in written["results"]:
+        assert r["texts"] == 2 and len(r["per_text"]) == 2
+        for text in r["per_text"]:
+            assert 0 <= text["correct"] <= r["length"] and text["restart"] in (0, 1)
+            assert text["accuracy"] == text["correct"] / r["length"]
+            assert text["perfect"] == (text["correct"] == r["length"])
+            assert text["iterations"] <= 100 and (text["perfect"] or text["iterations"] == 100)
+        assert r["accuracy_mean"] == pytest.approx(sum(t["accuracy"] for t in r["per_text"]) / 2)
+    # length 1 is one token from [e] (or [m]): reached in 100 steps at lr 0.1
+    assert all(r["perfect"] == 2 for r in written["results"] if r["length"] == 1)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["role"] == "prototokens"
+    assert run.data.params["prototokens.share"] == "none" and run.data.params["model.d_model"] == "32"
+    history = client.get_metric_history(run.info.run_id, "accuracy/e-m/with")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"result.json", "result.png"}
