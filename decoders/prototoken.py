@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, SpecialTokens, at_least_float32, encode,
+from decoders.base import (DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
                            hidden_mask, output_logits, past_distance_bias_table, read_back,
                            run_decoder, split_flat_output)
 from decoders.sequential import SequentialDecoder
@@ -122,11 +122,11 @@ class OneStepDecoder(Decoder):
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout
 
+    option_ranges = {"max_length": Range(ge=1, note="output positions of the one decoder call, "
+                                                     "end token included")}
+
     def __init__(self, backbone_config, special: SpecialTokens, max_length: int = 96):
-        super().__init__(backbone_config, special)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"decoder.max_length must be an integer >= 1 (output positions of "
-                             f"the one decoder call, end token included), got {max_length!r}")
+        super().__init__(backbone_config, special, max_length=max_length)
         self.max_length = max_length
         self.proto_encoder = ProtoTokenEncoder(backbone_config.d_model, backbone_config.d_ff)
         # m - embed(b): random, at the scale of T5's own embedding init, so that m differs from e

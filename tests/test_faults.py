@@ -262,6 +262,8 @@ DECODER_BAD_VALUES = [
     ("nar", "decoder.length_loss_weight=-0.5",
      "decoder.length_loss_weight must be a finite number >= 0, got -0.5"),
     ("nar", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
+    ("onestep", "decoder.max_length=0", "decoder.max_length must be an integer >= 1 (output "
+                                        "positions of the one decoder call, end token included), got 0"),
 ]
 BAD_VALUES = [
     ("seed=-1", "seed must be an integer >= 0 and <= 4294967295"),

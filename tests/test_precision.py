@@ -52,4 +52,4 @@ def test_bf16_autocast_decoding_is_finite_and_agrees_with_float32(name):
     assert non_finite == [0]
     agreement = sum(a == b for a, b in zip(bf16.subsequences, float32.subsequences)) / 24
     assert agreement >= MIN_AGREEMENT, f"{name}: bf16 agrees with float32 on {agreement:.2f}"
-    assert sum(map(len, float32.subsequences)) >= 24  # the trained model writes something
+    assert sum(map(bool, float32.subsequences)) >= 12  # the trained model writes something

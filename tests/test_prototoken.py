@@ -259,7 +259,7 @@ def test_bad_settings_are_named(tmp_path):
     with pytest.raises(prototokens.ConfigError, match="--iterations=-1 must be >= 0"):
         prototokens.main(["--ckpt", "unused", "--iterations", "-1"])
     path = tmp_path / "pipelined.ckpt"
-    torch.save({"hyper_parameters": {"cfg": {"decoder": {"name": "pipelined"}}}}, path)
+    torch.save({"hyper_parameters": {"cfg": {"decoder": {"name": "pipelined"}}}, "state_dict": {}}, path)
     with pytest.raises(prototokens.ConfigError, match="trained with decoder 'pipelined'.*not of "
                                                       "the sequential layout"):
         prototokens.main(["--ckpt", str(path)])
