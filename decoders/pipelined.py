@@ -135,10 +135,11 @@ class PipelinedDecoder(Decoder):
         (for tests of the bound below).
 
         The cache stays lean: each call appends R columns per example (R = the batch's largest
-        running count), padding where an example runs fewer. Once the cache holds
-        `max_subsequences` or more columns beyond what the fullest example fed, every example's
-        fed columns are packed to the front and the rest cropped: after every call,
-        cache length < (most tokens any live example fed) + max_subsequences.
+        running count), padding where an example runs fewer. When the cache holds more columns
+        than the fullest live example fed (its widest example changed or finished), every
+        example's fed columns are packed to the front and the rest cropped: after every call,
+        cache length = most tokens any live example fed. (Rare: usually the example running most
+        subsequences stays the fullest.)
 
         Host syncs: one per decoder call (`LiveRows.drop_finished` reads back which examples
         finished together with each one's running count for the next call, which sets that call's
@@ -247,7 +248,7 @@ class PipelinedDecoder(Decoder):
             keys = Grid(*key_fields)
             fed = [fed[b] + counts[b] for b in rows.kept]
             counts = rows.values
-            if use_cache and keys.valid.size(1) - max(fed) >= slots:
+            if use_cache and keys.valid.size(1) > max(fed):
                 # pack each example's fed columns to the front (stable: their order is kept) and
                 # crop the padding every example has past its own
                 order = torch.argsort((~keys.valid).to(torch.int8), dim=1, stable=True)[:, :max(fed)]
