@@ -51,7 +51,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
 from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens,

@@ -8,7 +8,6 @@ accuracy it reports is the argmax agreement that T5's own forward gives; end to 
 plot and MLflow run. End to end (slow): `tasks.fit --decoder onestep train.init_from=<sequential>`.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch

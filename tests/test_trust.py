@@ -1,5 +1,4 @@
 """Hostile and careless input that must not run code, break the tracking store or orphan a run."""
-import os
 import pickle
 import subprocess
 import sys
