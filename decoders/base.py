@@ -194,6 +194,13 @@ def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> to
     return model.lm_head(hidden)
 
 
+def masked_mean(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S, d) states, (B, S) 1/0 mask -> (B, d) mean over the real positions: padding added by
+    batching does not change an example's result."""
+    weights = attention_mask.to(states.dtype)[:, :, None]                        # (B, S, 1)
+    return (states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in float32 if it is in a narrower float type (bf16/fp16 under mixed precision), so
     that log-softmax and cross-entropy sums do not lose precision; float64 stays float64."""

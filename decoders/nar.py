@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
+from decoders.base import (masked_mean, DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
                            hidden_mask, output_logits, pad_batch, relative_position_bias,
                            run_decoder, split_flat_output)
 from decoders.sequential import join_subsequences
@@ -197,8 +197,7 @@ class MaskPredictDecoder(Decoder):
         Pooling is a masked mean so that padding added by batching does not change an example's
         prediction.
         """
-        weights = attention_mask.to(encoder_states.dtype)[:, :, None]                  # (B, S, 1)
-        pooled = (encoder_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)      # (B, d_model)
+        pooled = masked_mean(encoder_states, attention_mask)                        # (B, d_model)
         return self.length_predictor(pooled)
 
     # -- layout and loss -----------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
+from decoders.base import (masked_mean, DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
                            hidden_mask, output_logits, past_distance_bias_table, read_back,
                            run_decoder, split_flat_output)
 from decoders.sequential import SequentialDecoder
@@ -106,8 +106,7 @@ class ProtoTokenEncoder(nn.Module):
     def forward(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, S, d_model), (B, S) 1/0 -> (B, d_model). The mean ignores padding, so an example's
         e does not depend on the batch it is decoded in."""
-        weights = attention_mask.to(encoder_states.dtype)[:, :, None]                # (B, S, 1)
-        pooled = (encoder_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)   # (B, d_model)
+        pooled = masked_mean(encoder_states, attention_mask)                        # (B, d_model)
         return self.w2(torch.relu(self.w1(pooled)))
 
 

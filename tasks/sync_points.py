@@ -21,6 +21,7 @@ the finish-and-drop logic of every decoder runs; the same inputs go to every dec
 from __future__ import annotations
 
 import argparse
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -107,8 +108,7 @@ def random_inputs(batch_size: int, vocab: int, seed: int = 1):
 
 
 def bounded(name: str, steps: int) -> dict:
-    """Every length/step bound of decoder `name` set to `steps`."""
-    import inspect
+    """Every length/step bound of decoder `name` set to `steps` (its `max_*` options)."""
     return {key: steps for key in inspect.signature(decoder_class(name)).parameters
             if key.startswith("max_")}
 

@@ -2,13 +2,13 @@
 be loaded with: eager, and sdpa (transformers' default, which marks T5's decoder self-attention
 causal and would silently override a structure it is not given as a mask)."""
 import copy
-import inspect
 
 import pytest
 import torch
 
-from decoders import available, build_decoder, decoder_class
+from decoders import available, build_decoder
 from decoders.base import encode, hidden_mask, new_cache, run_decoder
+from tasks.sync_points import bounded
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
 pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
@@ -47,8 +47,7 @@ def test_run_decoder_follows_the_given_structure_under_sdpa():
 def test_every_decoder_decodes_the_same_under_eager_and_sdpa(name):
     eager = tiny_t5(1)
     # every length/step bound at 10: enough for several subsequences, quick on a random model
-    bounds = {key: 10 for key in inspect.signature(decoder_class(name)).parameters
-              if key.startswith("max_")}
+    bounds = bounded(name, 10)
     decoder = build_decoder(name, eager.config, SPECIAL, **bounds)
     input_ids, attention_mask = random_batch(6, seed=8)
     reference = decoder.generate(eager, input_ids, attention_mask)

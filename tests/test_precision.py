@@ -7,12 +7,12 @@ structure goes in as the attention mask, with a zero `position_bias`: see
 scores, a uniform and ignored attention, never the NaN of a softmax over -inf. The hook below would
 see a NaN or an inf reach the vocabulary logits.
 """
-import inspect
 
 import pytest
 import torch
 
-from decoders import available, build_decoder, decoder_class
+from decoders import available, build_decoder
+from tasks.sync_points import bounded
 from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
 
 pytestmark = pytest.mark.float64  # trained in float64 (the same model on every CPU), then cast
@@ -38,8 +38,7 @@ def count_non_finite_logits(model) -> list[int]:
 @pytest.mark.parametrize("name", available())
 def test_bf16_autocast_decoding_is_finite_and_agrees_with_float32(name):
     model = tiny_t5(0, initializer_factor=1.0)  # T5's own init scale: a model that trains well
-    bounds = {key: 12 for key in inspect.signature(decoder_class(name)).parameters
-              if key.startswith("max_")}
+    bounds = bounded(name, 12)
     decoder = build_decoder(name, model.config, SPECIAL, **bounds)
     model = briefly_trained(decoder, steps=200, model=model).float()
     decoder.float().eval()
