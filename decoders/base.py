@@ -90,6 +90,22 @@ class Range:
         return bound, repr(bound)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The allowed values of a named option (`Choice(("first_empty", "all_end"))`): the
+    counterpart of `Range` for options that pick one of a few behaviours by name, with the same
+    `problem` check, so `option_ranges` holds both."""
+
+    values: tuple[str, ...]
+
+    def problem(self, key: str, value: Any, siblings: Mapping[str, Any]) -> str | None:
+        """None if `value` is one of `values`; otherwise a message naming the key, the allowed
+        values and the value."""
+        if value in self.values:
+            return None
+        return f"{key} must be one of {', '.join(map(repr, self.values))}, got {value!r}"
+
+
 @dataclass
 class DecodeOutput:
     """What one `generate` call returns; every list has one entry per example, in input order."""
@@ -115,10 +131,11 @@ class Decoder(nn.Module, abc.ABC):
     # Options that only change generation, not training: a trained model can be decoded with any
     # value of these (tasks.compare sweeps them without retraining).
     decode_options: tuple[str, ...] = ()
-    # The allowed values of the numeric options, in checking order (a bound naming another option
-    # comes after that option's own range): the constructor checks the options it is given
-    # against them, and `tasks.config` reads them to refuse a bad value before any work.
-    option_ranges: ClassVar[dict[str, Range]] = {}
+    # The allowed values of the numeric (`Range`) and named (`Choice`) options, in checking order
+    # (a bound naming another option comes after that option's own range): the constructor checks
+    # the options it is given against them, and `tasks.config` reads them to refuse a bad value
+    # before any work.
+    option_ranges: ClassVar[dict[str, Range | Choice]] = {}
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""
@@ -160,7 +177,9 @@ class Decoder(nn.Module, abc.ABC):
     def calls_for_output(self, subsequences: list[list[int]]) -> int | None:
         """Decoder calls this decoder takes to produce exactly `subsequences` (ids, no end or
         separator tokens) in full, ignoring its length and step bounds; None when the count depends
-        on the model as well as on the output (blockwise: how many proposals are accepted).
+        on the model as well as on the output (blockwise: how many proposals are accepted), or when
+        the decoder cannot produce that output at all (pipelined under the paper's stopping rule
+        with delay > 1: every subsequence it started ended before the next one's start).
 
         Counted on references, it is what a model that reproduces them would need: the saving the
         decoder's structure allows on a dataset, measurable without training (tasks.reference_calls).
