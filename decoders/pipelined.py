@@ -13,9 +13,21 @@ Loss. Cross-entropy on every label of every subsequence, the empty one included.
 Decoding (Algorithm 1). At time t, subsequence t/d starts with b (every d steps) unless generation
 was stopped or `max_subsequences` were started; every running subsequence gets one new token (argmax)
 in ONE decoder call that feeds only the newest token of each; a subsequence ends at e (or at
-`max_subsequence_length` tokens); one whose first token is e is empty and stops new starts. An
-example is done when nothing runs and nothing can start; all are done at `max_steps`.
-Output = the non-empty subsequences, in order.
+`max_subsequence_length` tokens). When an example ends is the `stop_rule`:
+- `first_empty` (the default; what the results were measured with): a subsequence whose first
+  token is e is empty and stops new starts; the example is done when nothing runs and nothing can
+  start.
+- `all_end` (the paper's rule, Algorithm 1 lines 12-13 and Figure 2): a new subsequence is
+  explored every d steps whatever came before; one whose first token is e has failed and is
+  dropped, and exploring goes on. The example is done after the first step at which "all the
+  subsequences generate the end token", i.e. nothing is left running after that step's tokens. In
+  Figure 2 (d = 1, "A B C" and "D E") the exploration at the paper's step 3 fails while the two
+  subsequences still run; at step 4 both of them and a new exploration emit e, which ends decoding.
+  With d > 1 a step may start nothing: an example whose subsequences have all ended before the
+  next start is then done too, so it can never write a subsequence after such a gap.
+Failed explorations keep their slot (subsequence i starts at step i*d, whatever i's fate), and their
+b stays in the context, as in the paper's sequence of subsequences. All examples are done at
+`max_steps`. Output = the non-empty subsequences, in order.
 
 Decoding is batched and cached: per call each example feeds its running subsequences' newest tokens,
 padded to the batch's largest count (B, R); the key/value cache grows by R columns per call, and the
@@ -28,12 +40,14 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (DecodeOutput, Decoder, LiveRows, Range, SpecialTokens, encode,
+from decoders.base import (Choice, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens, encode,
                            gather_self_attention_cache, hidden_mask, new_cache, output_logits,
                            pad_batch, past_distance_bias_table, read_back, run_decoder)
 
 # slot states in decoding
 WAITING, RUNNING, DONE = 0, 1, 2
+# the stopping rules (module docstring)
+FIRST_EMPTY, ALL_END = "first_empty", "all_end"
 
 
 @dataclass
@@ -62,17 +76,21 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
 
 @register("pipelined")
 class PipelinedDecoder(Decoder):
-    decode_options = ("max_subsequences", "max_subsequence_length", "max_steps")
+    decode_options = ("max_subsequences", "max_subsequence_length", "max_steps", "stop_rule")
     option_ranges = {"delay": Range(ge=1), "max_subsequences": Range(ge=1),
-                     "max_subsequence_length": Range(ge=1), "max_steps": Range(ge=1)}
+                     "max_subsequence_length": Range(ge=1), "max_steps": Range(ge=1),
+                     "stop_rule": Choice((FIRST_EMPTY, ALL_END))}
     def __init__(self, backbone_config, special: SpecialTokens, delay: int = 1,
-                 max_subsequences: int = 16, max_subsequence_length: int = 32, max_steps: int = 128):
+                 max_subsequences: int = 16, max_subsequence_length: int = 32, max_steps: int = 128,
+                 stop_rule: str = FIRST_EMPTY):
         super().__init__(backbone_config, special, delay=delay, max_subsequences=max_subsequences,
-                         max_subsequence_length=max_subsequence_length, max_steps=max_steps)
+                         max_subsequence_length=max_subsequence_length, max_steps=max_steps,
+                         stop_rule=stop_rule)
         self.delay = delay
         self.max_subsequences = max_subsequences
         self.max_subsequence_length = max_subsequence_length
         self.max_steps = max_steps
+        self.stop_rule = stop_rule
 
     # -- layout and loss -----------------------------------------------------------------------
     def layout(self, targets):
@@ -98,10 +116,22 @@ class PipelinedDecoder(Decoder):
         }
 
     def calls_for_output(self, subsequences):
-        """Subsequence i (and the empty one after the last) runs from step i*d for its tokens plus
-        its end token; a call is made at every step at which some subsequence runs."""
-        spans = [len(sub) + 1 for sub in subsequences] + [1]
-        return len({i * self.delay + j for i, span in enumerate(spans) for j in range(span)})
+        """Subsequence i runs from step i*d for its tokens plus its end token, so it emits e at
+        step i*d + len(s_i); a call is made at every step at which some subsequence runs.
+
+        first_empty: the empty subsequence after the last one runs at its start step m*d alone.
+        all_end: explorations from step m*d on fail at their start step, and decoding ends at the
+        last real end token (the step at which nothing is left running); every step before it has
+        a call. Subsequence i can only start if one before it still runs at step i*d - 1: if not,
+        the output cannot be produced (None)."""
+        delay = self.delay
+        if self.stop_rule == FIRST_EMPTY:
+            spans = [len(sub) + 1 for sub in subsequences] + [1]
+            return len({i * delay + j for i, span in enumerate(spans) for j in range(span)})
+        ends = [i * delay + len(sub) for i, sub in enumerate(subsequences)]
+        if any(max(ends[:i]) < i * delay for i in range(1, len(ends))):
+            return None
+        return max(ends, default=0) + 1   # no subsequence: the first exploration fails at step 0
 
     def teacher_forced_logits(self, model, input_ids, attention_mask, layout) -> torch.Tensor:
         """(B, N, vocab) logits of the whole layout in one uncached pass (training forward)."""
@@ -159,7 +189,7 @@ class PipelinedDecoder(Decoder):
         state = torch.full((batch_size, slots), WAITING, dtype=torch.long, device=device)
         offset = zeros(batch_size, slots)
         next_token = torch.full((batch_size, slots), self.special.start, dtype=torch.long, device=device)
-        stopped = zeros(batch_size, dtype=torch.bool)           # an empty subsequence came: no new starts
+        stopped = zeros(batch_size, dtype=torch.bool)           # first_empty: no new starts
         # per original example (rows leave the batch; these stay), read back once at the end
         produced = zeros(batch_size, slots, length)
         produced_length = zeros(batch_size, slots)
@@ -229,17 +259,21 @@ class PipelinedDecoder(Decoder):
             bound_hits.index_add_(0, example, too_long.long())
             empty = ended & (j == 0)
             terminations.index_add_(0, example, empty.long())
-            stopped = stopped | (zeros(len(counts)).index_add_(0, live, empty.long()) > 0)
+            if self.stop_rule == FIRST_EMPTY:
+                stopped = stopped | (zeros(len(counts)).index_add_(0, live, empty.long()) > 0)
             next_token[live, slot] = token
             offset[live, slot] = j + 1
 
-            # 5. drop examples with nothing running and nothing left to start; read back, in the
-            # same transfer, how many subsequences each kept example runs at the next step
+            # 5. drop the examples that are done (first_empty: nothing running and nothing left to
+            # start; all_end: nothing running, whatever could still start); read back, in the same
+            # transfer, how many subsequences each kept example runs at the next step
             still_running = state == RUNNING
-            may_start = ~stopped & ((slots - 1) * delay > step)
+            done = ~still_running.any(1)
+            if self.stop_rule == FIRST_EMPTY:
+                done = done & (stopped | ((slots - 1) * delay <= step))
             starts_next = (step + 1) % delay == 0 and (step + 1) // delay < slots
             kept = rows.drop_finished(
-                ~(still_running.any(1) | may_start), cache, encoder_states, attention_mask, state,
+                done, cache, encoder_states, attention_mask, state,
                 offset, next_token, stopped, keys.tokens, keys.subsequence, keys.offset, keys.valid,
                 also=still_running.sum(1) + (~stopped & starts_next))
             if kept is None:
@@ -260,9 +294,16 @@ class PipelinedDecoder(Decoder):
         else:
             bound_hits.index_add_(0, rows.index, torch.ones_like(rows.index))  # max_steps reached
 
-        # An example that used all `max_subsequences` slots never emitted its empty terminator: it
-        # was cut by that bound as surely as by `max_steps`.
-        hit_bound = (bound_hits > 0) | (terminations == 0)
+        if self.stop_rule == FIRST_EMPTY:
+            # An example that used all `max_subsequences` slots never emitted its empty terminator:
+            # it was cut by that bound as surely as by `max_steps`.
+            cut_by_slots = terminations == 0
+        else:
+            # Under all_end an example takes part in a call at every step until it is done, so
+            # one with more calls than slots*d still ran at step slots*d, whose exploration found
+            # no slot left.
+            cut_by_slots = calls > slots * delay
+        hit_bound = (bound_hits > 0) | cut_by_slots
         produced, produced_length, calls, tokens_out, hit_bound = read_back(
             produced, produced_length, calls, tokens_out, hit_bound)
         output = DecodeOutput(
@@ -273,13 +314,13 @@ class PipelinedDecoder(Decoder):
         return output, logits_seen
 
     def _subsequences(self, slots: list[list[int]], lengths: list[int]) -> list[list[int]]:
-        """One example's non-empty subsequences before the first empty or unstarted slot."""
+        """One example's non-empty subsequences, in slot order: empty slots (the terminator,
+        failed explorations) and unstarted ones are left out."""
         out = []
         for tokens, length in zip(slots, lengths):
             tokens = tokens[:length]
             if tokens and tokens[-1] == self.special.eos:
                 tokens = tokens[:-1]
-            if not tokens:
-                break
-            out.append(tokens)
+            if tokens:
+                out.append(tokens)
         return out

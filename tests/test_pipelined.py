@@ -1,11 +1,13 @@
 """Pipelined decoder: hand-checked layout, training/decoding agreement, cache, batching."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from decoders import build_decoder
+from decoders import build_decoder, decoder_class, pipelined as pipelined_module
 from decoders.base import encode, hidden_mask, output_logits, relative_position_bias, run_decoder
-from decoders.pipelined import Grid, attention_bias
-from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
+from decoders.pipelined import ALL_END, FIRST_EMPTY, Grid, attention_bias
+from tasks.config import ConfigError, compose
+from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
 pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
@@ -143,10 +145,12 @@ def test_decoding_equals_teacher_forced_forward_trained_model(delay):
     assert not all(out.hit_max_steps)
 
 
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
 @pytest.mark.parametrize("delay", [1, 2])
-def test_cached_decode_equals_uncached_recomputation(delay):
+def test_cached_decode_equals_uncached_recomputation(delay, stop_rule):
     model = tiny_t5(2)
-    decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=30)
+    decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=30,
+                        stop_rule=stop_rule)
     input_ids, attention_mask = random_batch(4, seed=9)
     cached, cached_logits = decoder.decode(model, input_ids, attention_mask, record_logits=True)
     plain, plain_logits = decoder.decode(model, input_ids, attention_mask, use_cache=False,
@@ -183,9 +187,11 @@ def test_cache_holds_no_more_columns_than_the_fullest_example_fed():
     assert out.subsequences == unpacked.subsequences  # packing changes no output
 
 
-def test_alone_equals_in_batch():
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+def test_alone_equals_in_batch(stop_rule):
     model = trained_model(1)
-    decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40)
+    decoder = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=40,
+                        stop_rule=stop_rule)
     input_ids, attention_mask = random_batch(6, max_len=9, seed=21)
     assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
@@ -204,22 +210,145 @@ def test_fewer_calls_than_tokens_and_bounds_reported():
     assert any(bounded.hit_max_steps)
 
 
-@pytest.mark.parametrize("delay,calls", [(1, 4), (2, 5), (3, 7)])
-def test_calls_for_output_by_hand(delay, calls):
-    """'A B C', 'D E' and the empty terminator run over steps {0-3} u {d..d+2} u {2d}."""
-    decoder = pipelined(tiny_t5(0), delay=delay)
+@pytest.mark.parametrize("stop_rule,delay,calls", [
+    (FIRST_EMPTY, 1, 4), (FIRST_EMPTY, 2, 5), (FIRST_EMPTY, 3, 7),
+    (ALL_END, 1, 4), (ALL_END, 2, 5), (ALL_END, 3, 6)])
+def test_calls_for_output_by_hand(stop_rule, delay, calls):
+    """'A B C' and 'D E' emit e at steps 3 and d + 2. first_empty: they and the empty terminator
+    run over steps {0-3} u {d..d+2} u {2d}. all_end: decoding ends at the later end token, step
+    max(3, d + 2), and every step up to it has a call (at d = 3, 'D E' starts at step 3, while
+    'A B C' still runs: no gap)."""
+    decoder = pipelined(tiny_t5(0), delay=delay, stop_rule=stop_rule)
     assert decoder.calls_for_output([[10, 11, 12], [13, 14]]) == calls
-    assert decoder.calls_for_output([]) == 1  # the empty subsequence alone
+    # first_empty: the empty subsequence alone; all_end: the first exploration fails at step 0
+    assert decoder.calls_for_output([]) == 1
 
 
+def test_calls_for_output_of_an_output_the_paper_rule_cannot_produce():
+    """At d = 3, 'A' emits e at step 1: under all_end nothing runs after it and decoding ends
+    before 'B' could start at step 3, so no decoding produces ['A', 'B']; first_empty waits."""
+    output = [[10], [11]]
+    assert pipelined(tiny_t5(0), delay=3, stop_rule=ALL_END).calls_for_output(output) is None
+    assert pipelined(tiny_t5(0), delay=3, stop_rule=FIRST_EMPTY).calls_for_output(output) == 5
+
+
+def scripted_pipelined(monkeypatch, script: dict, **options):
+    """A pipelined decoder whose backbone's answers are scripted, whatever the inputs: the query at
+    grid position (subsequence i, offset j) emits `script[(i, j)]`, or the end token where the
+    script has none. The decoding loop itself runs unchanged; the stand-in replaces only the three
+    functions it calls on the backbone: the attention bias carries each query's (i, j) instead,
+    the decoder returns it as its hidden state, and the output head reads the script there.
+
+    Returns the decoder and the calls it makes, each a list of (i, j, token emitted)."""
+    calls: list = []
+
+    def query_positions(table, delay, query, keys):
+        return torch.stack([query.subsequence, query.offset], -1)                   # (B, R, 2)
+
+    def scripted_logits(model, positions):                                           # (n, 2)
+        cells = [tuple(position) for position in positions.tolist()]
+        tokens = [script.get(cell, SPECIAL.eos) for cell in cells]
+        calls.append([(i, j, token) for (i, j), token in zip(cells, tokens)])
+        return F.one_hot(torch.tensor(tokens), VOCAB).to(torch.get_default_dtype())  # (n, vocab)
+
+    monkeypatch.setattr(pipelined_module, "attention_bias", query_positions)
+    monkeypatch.setattr(pipelined_module, "run_decoder", lambda model, ids, positions, *a: positions)
+    monkeypatch.setattr(pipelined_module, "output_logits", scripted_logits)
+    return pipelined(tiny_t5(0), **options), calls
+
+
+A, B, C, D, E, X = 10, 11, 12, 13, 14, 15
+FIGURE_2 = {(0, 0): A, (0, 1): B, (0, 2): C, (1, 0): D, (1, 1): E}   # all else: e
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+def test_figure_2_by_hand(stop_rule, monkeypatch):
+    """The paper's Figure 2 (d = 1; the paper counts steps from 1, here from 0). Step 0: 'A'.
+    Step 1: subsequence 2 starts: 'B', 'D'. Step 2: 'C', 'E', and the exploration of a new
+    subsequence fails (e). Step 3: under the paper's rule (all_end) both subsequences AND a new
+    exploration emit e, which ends decoding; under first_empty the failed exploration of step 2
+    already stopped new starts, so step 3 explores nothing. Same output and calls, one token
+    fewer."""
+    e = SPECIAL.eos
+    decoder, calls = scripted_pipelined(monkeypatch, FIGURE_2, delay=1, max_subsequences=8,
+                                        max_subsequence_length=8, max_steps=20, stop_rule=stop_rule)
+    out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
+    last_step = [(0, 3, e), (1, 2, e)] + ([(3, 0, e)] if stop_rule == ALL_END else [])
+    assert calls == [[(0, 0, A)],
+                     [(0, 1, B), (1, 0, D)],
+                     [(0, 2, C), (1, 1, E), (2, 0, e)],
+                     last_step]
+    assert out.subsequences == [[[A, B, C], [D, E]]]
+    assert out.decoder_calls == [4] and out.batch_decoder_calls == 4
+    assert out.tokens == [9 if stop_rule == ALL_END else 8]
+    assert out.hit_max_steps == [False]
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+def test_an_exploration_after_a_failed_one_is_kept_only_by_the_paper_rule(stop_rule, monkeypatch):
+    """Figure 2, but the exploration of step 3 writes 'X': under all_end the failed exploration of
+    step 2 is dropped and 'X' is output (it ends at step 4 with a new failed exploration);
+    first_empty never starts it and ends at step 3 as in Figure 2."""
+    e = SPECIAL.eos
+    decoder, calls = scripted_pipelined(monkeypatch, {**FIGURE_2, (3, 0): X}, delay=1,
+                                        max_subsequences=8, max_subsequence_length=8, max_steps=20,
+                                        stop_rule=stop_rule)
+    out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
+    if stop_rule == ALL_END:
+        assert calls[3:] == [[(0, 3, e), (1, 2, e), (3, 0, X)], [(3, 1, e), (4, 0, e)]]
+        assert out.subsequences == [[[A, B, C], [D, E], [X]]] and out.decoder_calls == [5]
+    else:
+        assert calls[3:] == [[(0, 3, e), (1, 2, e)]]
+        assert out.subsequences == [[[A, B, C], [D, E]]] and out.decoder_calls == [4]
+    assert out.hit_max_steps == [False]
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+def test_a_denied_exploration_is_a_bound_hit_under_the_paper_rule(stop_rule, monkeypatch):
+    """Figure 2 with 3 slots: the failed exploration takes slot 2. first_empty has its terminator
+    there and ends by itself; under all_end the exploration of step 3 finds no slot left, so the
+    example was cut by `max_subsequences`."""
+    decoder, _ = scripted_pipelined(monkeypatch, FIGURE_2, delay=1, max_subsequences=3,
+                                    max_subsequence_length=8, max_steps=20, stop_rule=stop_rule)
+    out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
+    assert out.subsequences == [[[A, B, C], [D, E]]]
+    assert out.hit_max_steps == [stop_rule == ALL_END]
+
+
+REFERENCES = [[], [[10]], [[10, 11, 12], [13, 14]], [[10], [11]], [[10, 11, 12, 13], [14], [15]],
+              [[10], [11, 12, 13, 14], [15, 16]]]
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
 @pytest.mark.parametrize("delay", [1, 2, 3])
-def test_calls_for_output_equals_decoding(delay):
+def test_calls_for_output_equals_scripted_decoding(stop_rule, delay, monkeypatch):
+    """A backbone scripted to write each reference takes `calls_for_output(reference)` calls of
+    the real decoding loop; where that is None (all_end, a start after a gap) decoding does not
+    reproduce the reference."""
+    for reference in REFERENCES:
+        script = {(i, j): token for i, sub in enumerate(reference) for j, token in enumerate(sub)}
+        decoder, calls = scripted_pipelined(monkeypatch, script, delay=delay, max_subsequences=12,
+                                            max_subsequence_length=8, max_steps=40,
+                                            stop_rule=stop_rule)
+        out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
+        assert out.hit_max_steps == [False] and out.decoder_calls == [len(calls)]
+        expected = decoder.calls_for_output(reference)
+        if expected is None:
+            assert stop_rule == ALL_END and out.subsequences[0] != reference
+        else:
+            assert out.subsequences == [reference] and out.decoder_calls == [expected]
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+@pytest.mark.parametrize("delay", [1, 2, 3])
+def test_calls_for_output_equals_decoding(delay, stop_rule):
     """On outputs that ended by themselves, the count from the output alone is what decoding took.
 
     Not vacuous by construction: batches are decoded until at least 4 outputs that ended by
     themselves, with at least 2 different call counts, have been checked."""
     model = trained_model(delay)
-    decoder = pipelined(model, delay=delay, max_subsequences=6, max_subsequence_length=6, max_steps=100)
+    decoder = pipelined(model, delay=delay, max_subsequences=6, max_subsequence_length=6, max_steps=100,
+                        stop_rule=stop_rule)
     checked, counts = 0, set()
     for seed in range(77, 97):
         input_ids, attention_mask = random_batch(12, max_len=9, seed=seed)
@@ -260,3 +389,15 @@ def test_loss_is_cross_entropy_over_all_labels():
 def test_bad_options():
     with pytest.raises(ValueError, match="decoder.delay must be an integer >= 1, got 0"):
         pipelined(tiny_t5(0), delay=0)
+
+
+def test_bad_stop_rule_is_a_one_line_config_error_naming_the_value_and_the_allowed_ones():
+    message = "decoder.stop_rule must be one of 'first_empty', 'all_end', got 'paper'"
+    with pytest.raises(ConfigError) as err:
+        compose("keyphrase", "pipelined", overrides=["decoder.stop_rule=paper"])
+    assert str(err.value) == message
+    with pytest.raises(ValueError) as err:
+        pipelined(tiny_t5(0), stop_rule="paper")
+    assert str(err.value) == message
+    assert compose("keyphrase", "pipelined").decoder.stop_rule == FIRST_EMPTY
+    assert "stop_rule" in decoder_class("pipelined").decode_options  # swept without retraining
