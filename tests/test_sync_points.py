@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from decoders import available
+from decoders import available, build_decoder
 from tasks import sync_points
 
 
@@ -22,6 +22,21 @@ def test_at_most_one_sync_point_per_decoder_call(name, counted):
     row = counted[name]
     assert row["decoder_calls"] >= 1
     assert row["sync_points"] <= row["decoder_calls"] + 2, row
+
+
+def test_pipelined_under_the_paper_stop_rule_too():
+    """`counted` decodes with every decoder's defaults; the pipelined `stop_rule=all_end` ends
+    examples differently and must keep to the same bound."""
+    model = sync_points.tiny_random_t5()
+    input_ids, attention_mask = sync_points.random_inputs(8, model.config.vocab_size)
+    decoder = build_decoder("pipelined", model.config, sync_points.SPECIAL, stop_rule="all_end",
+                            **sync_points.bounded("pipelined", 16))
+    with torch.no_grad():
+        decoder.generate(model, input_ids, attention_mask)   # warm-up, as in `counted`
+        with sync_points.counting_sync_points() as counter:
+            out = decoder.generate(model, input_ids, attention_mask)
+    assert out.batch_decoder_calls >= 2
+    assert counter.count <= out.batch_decoder_calls + 2
 
 
 def test_the_counter_sees_every_kind_of_sync_point():
