@@ -12,6 +12,8 @@
 #                                                # its backbone frozen (train.init_from)
 #   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
+#   results/run_benchmarks.sh stop-rule TASK S P # pipelined checkpoint P decoded under both stopping
+#                                                # rules beside sequential checkpoint S (no training)
 #
 # Every run trains with the same default budget (t5-tiny, 10 epochs, seed 42) and times the decoders
 # interleaved on the first 100 test examples (median of 3 passes after a warm-up). Checkpoints are in
@@ -43,10 +45,14 @@ case "${1:-}" in
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
             --ckpt "sequential=$2" data=jsonl data.path=.cache/distilled/builtin_keyphrase \
             --out results/builtin_keyphrase_nar_distilled.json ;;
+    stop-rule)  # decode-time option: both rules on the same trained pipelined model
+        python -m tasks.compare --task "$2" --decoders sequential,pipelined --ckpt "sequential=$3" \
+            --ckpt "pipelined=$4" --sweep decoder.stop_rule=first_empty,all_end $SPEED \
+            --out "results/builtin_$2_stop_rule.json" ;;
     summarization | qa)
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | blockwise-frozen S | nar-distilled S" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
         exit 2 ;;
 esac
