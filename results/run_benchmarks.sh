@@ -7,6 +7,7 @@
 #   results/run_benchmarks.sh qa                 # the same on built-in multi-span QA
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
+#   results/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
 #   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
 #   results/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
 #                                                # its backbone frozen (train.init_from)
@@ -33,6 +34,9 @@ case "${1:-}" in
         python -m tasks.reference_calls --task summarization --decoders sequential,pipelined,nar \
             --sweep decoder.delay=1,2 data=jsonl data.path=../shared/data/cnndm \
             data.max_target_length=1024 data.max_subsequences=64 --out results/cnndm_reference_calls.json ;;
+    cnndm-baselines)
+        python -m tasks.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \
+            --out results/cnndm_baselines.json ;;
     delay2)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined --sweep decoder.delay=2 \
             --ckpt "sequential=$2" $SPEED --out results/builtin_keyphrase_delay2.json ;;
@@ -53,6 +57,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
         exit 2 ;;
 esac

@@ -43,6 +43,15 @@ def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
     return out, time.perf_counter() - start
 
 
+def subsequence_texts(tokenizer, subsequences: list[list[list[int]]]) -> list[list[str]]:
+    """Per example, its subsequences' token ids as the text the metrics score: each decoded without
+    special tokens and stripped, the empty ones dropped. Anything scored beside the decoders'
+    outputs (tasks.baselines) goes through this too."""
+    texts = [[tokenizer.decode(sub, skip_special_tokens=True).strip() for sub in subs]
+             for subs in subsequences]
+    return [[text for text in subs if text] for subs in texts]
+
+
 class DecodeTelemetry:
     """Per-example decoding counters of one validation/test pass, keyed by dataset index."""
 
@@ -135,9 +144,7 @@ class GenerationTask(L.LightningModule):
         for key, value in out.stats.items():
             self.telemetry.stats[key] = self.telemetry.stats.get(key, 0.0) + value
 
-        predictions = [[self.tokenizer.decode(sub, skip_special_tokens=True).strip() for sub in subs]
-                       for subs in out.subsequences]
-        predictions = [[p for p in subs if p] for subs in predictions]
+        predictions = subsequence_texts(self.tokenizer, out.subsequences)
         for i, index in enumerate(batch["index"].tolist()):
             self.telemetry.rows[index] = {
                 "prediction": predictions[i], "decoder_calls": out.decoder_calls[i],
