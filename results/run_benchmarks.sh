@@ -7,6 +7,9 @@
 #   results/run_benchmarks.sh qa                 # the same on built-in multi-span QA
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
+#   results/run_benchmarks.sh delay-sweep        # the paper's delay study: one pipelined model per delay
+#                                                # 1-4 on built-in keyphrase and summarization, with
+#                                                # quality and speedup against delay (*_vs_delay.png)
 #   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
 #   results/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
 #                                                # its backbone frozen (train.init_from)
@@ -14,7 +17,9 @@
 #                                                # checkpoint of the keyphrase step (its teacher)
 #
 # Every run trains with the same default budget (t5-tiny, 10 epochs, seed 42) and times the decoders
-# interleaved on the first 100 test examples (median of 3 passes after a warm-up). Checkpoints are in
+# interleaved on the first 100 test examples (median of 3 passes after a warm-up). Blockwise trains
+# its heads on the sequential row's tested checkpoint, backbone frozen (tasks.compare's default when
+# sequential is compared; its table's `training` column says so). Checkpoints are in
 # mlruns/artifacts/<run id>/checkpoints/; each run's `tested_checkpoint` tag names the one tested.
 set -euo pipefail
 SPEED="--speed-examples 100 --repeats 3 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false"
@@ -43,10 +48,15 @@ case "${1:-}" in
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
             --ckpt "sequential=$2" data=jsonl data.path=.cache/distilled/builtin_keyphrase \
             --out results/builtin_keyphrase_nar_distilled.json ;;
+    delay-sweep)
+        for task in keyphrase summarization; do
+            python -m tasks.compare --task "$task" --decoders sequential,pipelined \
+                --sweep decoder.delay=1,2,3,4 $SPEED --out "results/builtin_${task}_delays.json"
+        done ;;
     summarization | qa)
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay2 S | blockwise-frozen S | nar-distilled S" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | delay-sweep | delay2 S | blockwise-frozen S | nar-distilled S" >&2
         exit 2 ;;
 esac

@@ -467,11 +467,73 @@ def markdown(result: dict) -> str:
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
-def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def sweep_series(rows: list[Row], entries: list[dict], option: str,
+                 primary: str) -> dict[str, dict[str, list]]:
+    """What the plot of a swept decoder option shows: per series (a decoder, with the values of
+    its other swept options) the option's values in the plan's order (`x`) and, at each, the
+    `primary` quality metric and the speedups over sequential (None without a sequential row).
+    `entries` are `report`'s rows, in the order of `rows`."""
+    series: dict[str, dict[str, list]] = {}
+    for row, entry in zip(rows, entries):
+        if option not in row.swept:
+            continue
+        points = series.setdefault(row_label(row.cfg, [k for k in row.swept if k != option]),
+                                   {"x": [], "quality": [], "speedup_bs1": [], "speedup_batch": []})
+        value = row.cfg.decoder[option]
+        # numbers on a numeric axis; anything else (a flag) as categories
+        points["x"].append(value if isinstance(value, (int, float)) and not isinstance(value, bool)
+                           else str(value))
+        points["quality"].append(entry["quality"][primary])
+        for key in ("speedup_bs1", "speedup_batch"):
+            points[key].append(entry[key])
+    return series
+
+
+def plot_sweep(series: dict[str, dict[str, list]], option: str, primary: str,
+               reference_quality: float | None, batch_size: int, path: Path) -> None:
+    """`sweep_series` drawn: quality against the option's value, with sequential's as a grey line,
+    and beside it (when there is a sequential row) the speedup over sequential at batch size 1
+    (solid) and at `batch_size` (dashed)."""
+    plt = pyplot()
+    panels = 1 if reference_quality is None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    quality = axes[0][0]
+    for label, points in series.items():
+        line, = quality.plot(points["x"], points["quality"], marker="o", label=label)
+        if panels == 2:
+            axes[0][1].plot(points["x"], points["speedup_bs1"], marker="o", color=line.get_color(),
+                            label=f"{label}, batch size 1")
+            axes[0][1].plot(points["x"], points["speedup_batch"], marker="s", ls="--",
+                            color=line.get_color(), label=f"{label}, batch size {batch_size}")
+    if panels == 2:
+        quality.axhline(reference_quality, color="grey", lw=0.8, label="sequential")
+        speedup = axes[0][1]
+        speedup.axhline(1.0, color="grey", lw=0.8)
+        speedup.set_xlabel(option)
+        speedup.set_ylabel("speedup over sequential")
+        speedup.legend()
+    if all(isinstance(x, int) for points in series.values() for x in points["x"]):
+        from matplotlib.ticker import MaxNLocator
+        for ax in axes[0]:  # no ticks between integer settings (delay 1.5)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    quality.set_xlabel(option)
+    quality.set_ylabel(primary)
+    quality.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+    plt = pyplot()
     paths = []
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     if reference is not None:
@@ -505,6 +567,12 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
     paths.append(stem.with_name(stem.name + "_quality_vs_speed.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+
+    reference_quality = None if reference is None else reference.quality[primary]
+    for option in dict.fromkeys(option for row in rows for option in row.swept):
+        paths.append(stem.with_name(f"{stem.name}_vs_{option}.png"))
+        plot_sweep(sweep_series(rows, result["rows"], option, primary), option, primary,
+                   reference_quality, result["eval_batch_size"], paths[-1])
     return paths
 
 

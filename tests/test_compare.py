@@ -49,7 +49,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| sequential |" in table and "speedup bs1" in table
     plots = sorted(p.name for p in tmp_path.glob("cmp_*.png"))
-    assert plots == ["cmp_quality_vs_speed.png", "cmp_speedup_vs_subsequences.png"]
+    assert plots == ["cmp_quality_vs_speed.png", "cmp_speedup_vs_subsequences.png",
+                     "cmp_vs_max_subsequence_length.png"]
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.get_experiment_by_name("keyphrase")
@@ -63,7 +64,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
             assert "test/speedup_bs1" in run.data.metrics and "test/present_f1_at_M" in run.data.metrics
         else:
             artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-            assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png"} <= artifacts
+            assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png",
+                    "cmp_vs_max_subsequence_length.png"} <= artifacts
     # the two pipelined rows differ only in a decode-time option: one model was trained for both
     trained = [r for r in runs if r.data.tags.get("role") == "row"
                and r.data.params.get("decoder.name") == "pipelined"
@@ -279,3 +281,33 @@ def test_blockwise_on_the_sequential_row_is_exact_and_joint_training_is_not(tmp_
     assert [r["training"] for r in joint["rows"]] == ["checkpoint", "joint"]
     blockwise = weights(joint_checkpoints["blockwise"])
     assert not all(torch.equal(sequential[key], blockwise[key]) for key in backbone)
+
+
+# ---- sweep plots ----------------------------------------------------------------------------------
+
+def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
+    """`--sweep decoder.delay=1,2 --sweep decoder.max_subsequence_length=4,8`: the delay plot has one
+    line per max_subsequence_length, its points in the sweep's order; rows that do not sweep delay
+    (sequential) are not on it."""
+    def row(name: str, swept: dict, quality: float, speedups: tuple):
+        cfg = OmegaConf.create({"decoder": {"name": name, **swept}})
+        entry = {"quality": {"present_f1_at_M": quality},
+                 "speedup_bs1": speedups[0], "speedup_batch": speedups[1]}
+        return compare.Row(cfg, None, None, None, swept=list(swept)), entry
+
+    made = [row("sequential", {}, 0.5, (1.0, 1.0))] + [
+        row("pipelined", {"delay": delay, "max_subsequence_length": length}, quality, (delay, 2 * delay))
+        for length, quality in ((4, 0.1), (8, 0.2)) for delay in (2, 1)]
+    rows, entries = zip(*made)
+    series = compare.sweep_series(list(rows), list(entries), "delay", "present_f1_at_M")
+    assert series == {
+        "pipelined(max_subsequence_length=4)": {"x": [2, 1], "quality": [0.1, 0.1],
+                                                "speedup_bs1": [2, 1], "speedup_batch": [4, 2]},
+        "pipelined(max_subsequence_length=8)": {"x": [2, 1], "quality": [0.2, 0.2],
+                                                "speedup_bs1": [2, 1], "speedup_batch": [4, 2]}}
+    path = tmp_path / "cmp_vs_delay.png"
+    compare.plot_sweep(series, "delay", "present_f1_at_M", 0.5, 16, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # without a sequential row there is no speedup to draw: quality alone
+    compare.plot_sweep(series, "delay", "present_f1_at_M", None, 16, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
