@@ -136,6 +136,13 @@ class Decoder(nn.Module, abc.ABC):
     # the options it is given against them, and `tasks.config` reads them to refuse a bad value
     # before any work.
     option_ranges: ClassVar[dict[str, Range | Choice]] = {}
+    # Whether the decoder can train on a trained sequential model's backbone (`train.init_from`),
+    # adding only its own modules, as Stern et al. add proposal heads to a trained model: then its
+    # greedy output, and so its quality, can stay the sequential model's. tasks.compare starts such
+    # a decoder from its sequential row's checkpoint, with a `freeze_backbone` option set, by default.
+    builds_on_sequential: ClassVar[bool] = False
+    # Whether it can train only that way: it never trains a backbone of its own (onestep).
+    needs_trained_backbone: ClassVar[bool] = False
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""

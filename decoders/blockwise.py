@@ -125,6 +125,8 @@ class BlockwiseDecoder(Decoder):
     # Generation-only options: a trained model decodes with any value of these. (block_size fixes
     # the number of trained heads and freeze_backbone only affects training, so neither is here.)
     decode_options = ("top_k", "max_new_tokens")
+    # Stern et al. add the heads to a trained model; with the backbone frozen the output is its own.
+    builds_on_sequential = True
 
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout

@@ -117,6 +117,9 @@ class OneStepDecoder(Decoder):
     layout_family = "flat-causal"
     # Position i's output depends on inputs 0..i only (causal), so max_length only cuts the output.
     decode_options = ("max_length",)
+    # The backbone is a trained sequential model's, always frozen: only the proto-tokens learn.
+    builds_on_sequential = True
+    needs_trained_backbone = True
 
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout

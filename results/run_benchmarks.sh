@@ -8,6 +8,9 @@
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
 #   results/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
+#   results/run_benchmarks.sh delay-sweep TASK [S] # the paper's delay study: one pipelined model per
+#                                                # delay 1-4 on built-in TASK data, with quality and
+#                                                # speedup against delay (*_vs_delay.png)
 #   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
 #   results/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
 #                                                # its backbone frozen (train.init_from)
@@ -17,7 +20,9 @@
 #                                                # rules beside sequential checkpoint S (no training)
 #
 # Every run trains with the same default budget (t5-tiny, 10 epochs, seed 42) and times the decoders
-# interleaved on the first 100 test examples (median of 3 passes after a warm-up). Checkpoints are in
+# interleaved on the first 100 test examples (median of 3 passes after a warm-up). Blockwise trains
+# its heads on the sequential row's tested checkpoint, backbone frozen (tasks.compare's default when
+# sequential is compared; its table's `training` column says so). Checkpoints are in
 # mlruns/artifacts/<run id>/checkpoints/; each run's `tested_checkpoint` tag names the one tested.
 set -euo pipefail
 SPEED="--speed-examples 100 --repeats 3 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false"
@@ -53,10 +58,13 @@ case "${1:-}" in
         python -m tasks.compare --task "$2" --decoders sequential,pipelined --ckpt "sequential=$3" \
             --ckpt "pipelined=$4" --sweep decoder.stop_rule=first_empty,all_end $SPEED \
             --out "results/builtin_$2_stop_rule.json" ;;
+    delay-sweep)  # TASK [S]: one pipelined model per delay; S = a sequential checkpoint of TASK to reuse
+        python -m tasks.compare --task "$2" --decoders sequential,pipelined --sweep decoder.delay=1,2,3,4 \
+            ${3:+--ckpt "sequential=$3"} $SPEED --out "results/builtin_$2_delays.json" ;;
     summarization | qa)
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
         exit 2 ;;
 esac

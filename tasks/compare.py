@@ -1,20 +1,27 @@
 """Compare decoders side by side: same data, model size, seed and training budget; one table.
 
     python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar \\
-        [--out FILE.json] [--ckpt NAME=PATH ...] [--sweep decoder.delay=1,2,3] [key=value ...]
+        [--out FILE.json] [--ckpt NAME=PATH ...] [--sweep decoder.delay=1,2,3] \\
+        [--backbone from-sequential|own] [key=value ...]
 
 Each decoder is trained (or loaded with --ckpt) and its test split decoded and scored as its own
-MLflow run. A --ckpt checkpoint must have been trained for its row of the plan (the same task, data,
-model and, for the same decoder, trained options; checked before any work); its row is scored under
-the comparison's settings like every other row. Then speed is measured for all of them in this one
-process, with the same thread count, after a warm-up, interleaving the decoders and taking the
-median of `--repeats` passes: examples per second at batch size 1 and at `eval.batch_size`, timing
-only `generate` (encoder + decoder calls) on batches prepared beforehand. Timing runs on the device
-the trainer settings give (`trainer.accelerator`, `trainer.devices`), with denormal floats flushed
-to zero on a CPU. Peak memory is taken in a separate pass at the eval batch size (CUDA: max
-allocated; CPU: the C heap in use, sampled every millisecond), over its level before the decode. The
-device and the flushing are recorded with the results. Writes FILE.json, FILE.md and two plots next
-to them, and a summary run to MLflow, all tagged with one comparison id.
+MLflow run. With sequential among the decoders, a decoder that can build on a trained sequential
+model (blockwise, onestep: `Decoder.builds_on_sequential`) trains on the sequential row's tested
+checkpoint (`train.init_from`), its backbone frozen, as Stern et al. add heads to a trained model:
+its quality is the sequential row's by construction. `--backbone own` trains blockwise's base head
+jointly with its heads instead; the user's own `train.init_from` or `decoder.freeze_backbone` wins;
+the table's `training` column says which was used. A --ckpt checkpoint must have been trained for
+its row of the plan (the same task, data, model and, for the same decoder, trained options; checked
+before any work); its row is scored under the comparison's settings like every other row. Then speed
+is measured for all of them in this one process, with the same thread count, after a warm-up,
+interleaving the decoders and taking the median of `--repeats` passes: examples per second at batch
+size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
+prepared beforehand. Timing runs on the device the trainer settings give (`trainer.accelerator`,
+`trainer.devices`), with denormal floats flushed to zero on a CPU. Peak memory is taken in a
+separate pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every
+millisecond), over its level before the decode. The device and the flushing are recorded with the
+results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
+speedup against its value), and a summary run to MLflow, all tagged with one comparison id.
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ class Row:
     speed: dict = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)   # per test example, batch size 1
     swept: list[str] = field(default_factory=list)         # options this row's sweep set
+    training: str = "own"                                  # `training_label`
 
     @property
     def options(self) -> dict:
@@ -137,6 +145,66 @@ def plan(task: str, decoders: list[str], config_file: str | None, overrides: lis
             rows.append((compose(task, name, config_file, general + own + settings),
                          [s.split("=")[0].split(".", 1)[1] for s in settings]))
     return rows
+
+
+# --backbone: where the decoders that can build on a trained sequential model get their backbone.
+BACKBONES = ("from-sequential", "own")
+
+
+def user_sets(key: str, config_file: str | None, overrides: list[str],
+              sweeps: dict[str, list[str]]) -> bool:
+    """Whether the command line (an override or a sweep) or the --config file sets `key`, to any
+    value, null included: what the user chose wins over the defaults the comparison picks."""
+    if key in sweeps or any(o.partition("=")[0] == key for o in overrides):
+        return True
+    unset = object()
+    return config_file is not None and OmegaConf.select(OmegaConf.load(config_file), key,
+                                                        default=unset) is not unset
+
+
+def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
+                  checkpoints: dict[str, str], user_set) -> list[bool]:
+    """Per row, whether it trains on the backbone of the comparison's sequential row: its tested
+    checkpoint becomes the row's `train.init_from` once that row is trained or loaded.
+
+    Stern et al. add proposal heads to a trained model and keep its greedy output exact, so with
+    a sequential row in the plan a decoder that `builds_on_sequential` starts from it, and where it
+    has `freeze_backbone` that is set in its config (here, so that a --ckpt row is checked against
+    it too): its quality is the sequential row's by construction. `backbone="own"` trains those
+    that can train a backbone (blockwise: base head jointly with the heads) from scratch instead.
+    A setting of `train.init_from` or `decoder.freeze_backbone` the user made (`user_set(key)`)
+    wins. A decoder that `needs_trained_backbone` and gets none is refused here, before any work."""
+    has_sequential = any(cfg.decoder.name == "sequential" for cfg, _ in planned)
+    starts = []
+    for cfg, _ in planned:
+        kind = decoder_class(cfg.decoder.name)
+        builds = has_sequential and not user_set("train.init_from") and (
+            kind.needs_trained_backbone or (kind.builds_on_sequential and backbone == "from-sequential"))
+        if builds and "freeze_backbone" in cfg.decoder and not user_set("decoder.freeze_backbone"):
+            cfg.decoder.freeze_backbone = True
+        loaded = cfg.decoder.name in checkpoints
+        if kind.needs_trained_backbone and not (builds or loaded or cfg.train.init_from):
+            raise ConfigError(f"decoder {cfg.decoder.name} trains on a trained sequential model's "
+                              f"backbone, and this comparison gives it none: add sequential to "
+                              f"--decoders (it then starts from that row's checkpoint), or set "
+                              f"train.init_from=<a sequential checkpoint>")
+        starts.append(builds and not loaded)  # a --ckpt row was trained already
+    return starts
+
+
+def training_label(cfg: DictConfig, from_sequential: bool, loaded: bool) -> str:
+    """How a row's model was trained, for the table: `checkpoint` (--ckpt), `own` (from scratch),
+    `joint` (from scratch, by a decoder that could have built on a sequential model instead:
+    blockwise's base head trained with its heads), else where its backbone came from and whether it
+    stayed frozen."""
+    if loaded:
+        return "checkpoint"
+    kind = decoder_class(cfg.decoder.name)
+    if not from_sequential and cfg.train.init_from is None:
+        return "joint" if kind.builds_on_sequential else "own"
+    source = "sequential backbone" if from_sequential else "train.init_from backbone"
+    frozen = kind.needs_trained_backbone or cfg.decoder.get("freeze_backbone", False)
+    return f"frozen {source}" if frozen else f"{source}, fine-tuned"
 
 
 def training_key(cfg: DictConfig) -> str:
@@ -348,6 +416,7 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
         calls = row.telemetry.get("decoder_calls_per_example")
         entry = {
             "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
+            "training": row.training,
             "quality": row.quality,
             "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
             "examples_per_second_batch": row.speed["examples_per_second_batch"],
@@ -380,11 +449,11 @@ def markdown(result: dict) -> str:
     def fmt(value, digits=3):
         return "–" if value is None else f"{value:.{digits}f}"
 
-    head = ["decoder", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
+    head = ["decoder", "training", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
             "calls/ex", "reference calls/ex", "tokens/call", "peak MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [r["label"], *(fmt(r["quality"][k]) for k in shown),
+        cells = [r["label"], r["training"], *(fmt(r["quality"][k]) for k in shown),
                  fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
@@ -398,11 +467,73 @@ def markdown(result: dict) -> str:
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
-def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def sweep_series(rows: list[Row], entries: list[dict], option: str,
+                 primary: str) -> dict[str, dict[str, list]]:
+    """What the plot of a swept decoder option shows: per series (a decoder, with the values of
+    its other swept options) the option's values in the plan's order (`x`) and, at each, the
+    `primary` quality metric and the speedups over sequential (None without a sequential row).
+    `entries` are `report`'s rows, in the order of `rows`."""
+    series: dict[str, dict[str, list]] = {}
+    for row, entry in zip(rows, entries):
+        if option not in row.swept:
+            continue
+        points = series.setdefault(row_label(row.cfg, [k for k in row.swept if k != option]),
+                                   {"x": [], "quality": [], "speedup_bs1": [], "speedup_batch": []})
+        value = row.cfg.decoder[option]
+        # numbers on a numeric axis; anything else (a flag) as categories
+        points["x"].append(value if isinstance(value, (int, float)) and not isinstance(value, bool)
+                           else str(value))
+        points["quality"].append(entry["quality"][primary])
+        for key in ("speedup_bs1", "speedup_batch"):
+            points[key].append(entry[key])
+    return series
+
+
+def plot_sweep(series: dict[str, dict[str, list]], option: str, primary: str,
+               reference_quality: float | None, batch_size: int, path: Path) -> None:
+    """`sweep_series` drawn: quality against the option's value, with sequential's as a grey line,
+    and beside it (when there is a sequential row) the speedup over sequential at batch size 1
+    (solid) and at `batch_size` (dashed)."""
+    plt = pyplot()
+    panels = 1 if reference_quality is None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    quality = axes[0][0]
+    for label, points in series.items():
+        line, = quality.plot(points["x"], points["quality"], marker="o", label=label)
+        if panels == 2:
+            axes[0][1].plot(points["x"], points["speedup_bs1"], marker="o", color=line.get_color(),
+                            label=f"{label}, batch size 1")
+            axes[0][1].plot(points["x"], points["speedup_batch"], marker="s", ls="--",
+                            color=line.get_color(), label=f"{label}, batch size {batch_size}")
+    if panels == 2:
+        quality.axhline(reference_quality, color="grey", lw=0.8, label="sequential")
+        speedup = axes[0][1]
+        speedup.axhline(1.0, color="grey", lw=0.8)
+        speedup.set_xlabel(option)
+        speedup.set_ylabel("speedup over sequential")
+        speedup.legend()
+    if all(isinstance(x, int) for points in series.values() for x in points["x"]):
+        from matplotlib.ticker import MaxNLocator
+        for ax in axes[0]:  # no ticks between integer settings (delay 1.5)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    quality.set_xlabel(option)
+    quality.set_ylabel(primary)
+    quality.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+    plt = pyplot()
     paths = []
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     if reference is not None:
@@ -436,6 +567,12 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
     paths.append(stem.with_name(stem.name + "_quality_vs_speed.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+
+    reference_quality = None if reference is None else reference.quality[primary]
+    for option in dict.fromkeys(option for row in rows for option in row.swept):
+        paths.append(stem.with_name(f"{stem.name}_vs_{option}.png"))
+        plot_sweep(sweep_series(rows, result["rows"], option, primary), option, primary,
+                   reference_quality, result["eval_batch_size"], paths[-1])
     return paths
 
 
@@ -451,6 +588,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="reuse a checkpoint for decoder NAME instead of training")
     parser.add_argument("--sweep", action="append", default=[], metavar="decoder.OPTION=v1,v2",
                         help="one row per value, for the decoders that have OPTION")
+    parser.add_argument("--backbone", choices=BACKBONES, default="from-sequential",
+                        help="from-sequential: with sequential in --decoders, decoders that can "
+                             "build on a trained sequential model (blockwise, onestep) train on its "
+                             "checkpoint's backbone, frozen, as Stern et al.; own: they train their "
+                             "own where they can (blockwise: base head jointly with the heads)")
     parser.add_argument("--repeats", type=int, default=3, help="timing passes (median is reported)")
     parser.add_argument("--speed-examples", type=int, default=None,
                         help="time on the first N test examples (default: all)")
@@ -464,10 +606,15 @@ def main(argv: list[str] | None = None) -> dict:
                         ("--threads", args.threads)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    planned = plan(args.task, decoders, args.config, args.overrides, parse_sweeps(args.sweep))
+    sweeps = parse_sweeps(args.sweep)
+    planned = plan(args.task, decoders, args.config, args.overrides, sweeps)
+    starts = on_sequential(planned, args.backbone, checkpoints,
+                           lambda key: user_sets(key, args.config, args.overrides, sweeps))
     cfgs = [cfg for cfg, _ in planned]
     if args.print_config:
-        for cfg in cfgs:
+        for cfg, start in zip(cfgs, starts):
+            if start:
+                print("# train.init_from: the sequential row's checkpoint, once trained or loaded")
             print(OmegaConf.to_yaml(cfg))
         return {}
     loaded = {name: load_checkpoint(path) for name, path in checkpoints.items()}
@@ -482,26 +629,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     comparison_id = uuid.uuid4().hex[:12]
     tags = {"comparison_id": comparison_id, "role": "row"}
-    trained: dict[str, object] = {}
-    rows: list[Row] = []
-    for cfg, swept in planned:
-        key = training_key(cfg)
+    trained: dict[str, tuple[Built, str]] = {}  # training key -> the model and its checkpoint
+    sequential_checkpoint = None
+    rows: list[Row | None] = [None] * len(planned)
+    # the rows that start from the sequential row's checkpoint after it; the table keeps the plan's order
+    for index in sorted(range(len(planned)), key=lambda i: starts[i]):
+        cfg, swept = planned[index]
         name = cfg.decoder.name
+        if starts[index]:
+            cfg.train.init_from = sequential_checkpoint
+        training = training_label(cfg, starts[index], name in checkpoints)
+        row_tags = {**tags, "training": training}
+        key = training_key(cfg)
         if key in trained:
-            row = score_row(cfg, with_decoder(cfg, trained[key]), tags)
+            row = score_row(cfg, with_decoder(cfg, trained[key][0]), row_tags)
         elif name in checkpoints:
-            built = restore(loaded[name], checkpoints[name], cfg)
-            trained[key] = built
-            row = score_row(cfg, built, {**tags, "checkpoint": checkpoints[name]})
+            trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
+            row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]})
         else:
-            log.info("training %s", name)
-            result = train_and_test(cfg, tags=tags)
-            trained[key] = result.built
+            log.info("training %s (%s)", name, training)
+            result = train_and_test(cfg, tags=row_tags)
+            trained[key] = result.built, result.checkpoint
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
+        if name == "sequential" and sequential_checkpoint is None:
+            sequential_checkpoint = trained[key][1]
         row.swept = swept
+        row.training = training
         row.quality = dict(row.module.quality_scores)
         row.telemetry = dict(row.module.test_scores)
-        rows.append(row)
+        rows[index] = row
 
     timing = measure_speed(rows, device, cfgs[0].eval.batch_size, args.repeats, args.speed_examples)
     result = report(rows, cfgs[0], torch.get_num_threads(), timing)

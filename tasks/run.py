@@ -30,7 +30,7 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
 from datamodules.sources import SPLITS, usable_folder
 from datamodules.tokenizer import TokenizerError, from_serialized, special_tokens
-from decoders import build_decoder
+from decoders import build_decoder, decoder_class
 from tasks.config import ConfigError, compose, flatten, to_yaml
 from tasks.models import ModelError, build_backbone
 from tasks.module import TASK_MODULES, GenerationTask, write_jsonl
@@ -462,6 +462,10 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     With `resume`, training goes on from that run's last checkpoint and logs into the same run;
     otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    if resume is None and cfg.train.init_from is None and decoder_class(cfg.decoder.name).needs_trained_backbone:
+        # it would train on a random frozen backbone: a result with no meaning, hours later
+        raise ConfigError(f"decoder {cfg.decoder.name} trains only on a trained sequential model's "
+                          f"backbone: set train.init_from=<a sequential tasks.fit checkpoint>")
     check_trainer(cfg)
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,

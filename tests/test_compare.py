@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from tasks import compare, test as test_entry
 from tasks.config import ConfigError, compose
 from tasks.run import build
-from tests.test_end_to_end import TINY, run_artifact_rows, tracking
+from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 from tests.test_faults import fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
@@ -49,7 +49,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| sequential |" in table and "speedup bs1" in table
     plots = sorted(p.name for p in tmp_path.glob("cmp_*.png"))
-    assert plots == ["cmp_quality_vs_speed.png", "cmp_speedup_vs_subsequences.png"]
+    assert plots == ["cmp_quality_vs_speed.png", "cmp_speedup_vs_subsequences.png",
+                     "cmp_vs_max_subsequence_length.png"]
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.get_experiment_by_name("keyphrase")
@@ -63,7 +64,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
             assert "test/speedup_bs1" in run.data.metrics and "test/present_f1_at_M" in run.data.metrics
         else:
             artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-            assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png"} <= artifacts
+            assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png",
+                    "cmp_vs_max_subsequence_length.png"} <= artifacts
     # the two pipelined rows differ only in a decode-time option: one model was trained for both
     trained = [r for r in runs if r.data.tags.get("role") == "row"
                and r.data.params.get("decoder.name") == "pipelined"
@@ -175,3 +177,137 @@ def test_a_checkpoint_row_is_scored_with_its_weights_under_the_plan(tmp_path, mo
     assert row.data.tags["checkpoint"] == path
     assert run_artifact_rows(client, row.info.run_id, tmp_path / "row") == \
         run_artifact_rows(client, tested["run_id"], tmp_path / "tested")
+
+
+# ---- what blockwise and onestep build on -----------------------------------------------------------
+
+def backbone_plan(decoders: list[str], overrides: list[str] = (), backbone: str = "from-sequential",
+                  checkpoints: dict[str, str] | None = None):
+    """compare's plan of `decoders` with `on_sequential` applied: (configs, starts, training labels)."""
+    checkpoints = checkpoints or {}
+    planned = compare.plan("keyphrase", decoders, None, list(overrides), {})
+    starts = compare.on_sequential(planned, backbone, checkpoints,
+                                   lambda key: compare.user_sets(key, None, list(overrides), {}))
+    cfgs = [cfg for cfg, _ in planned]
+    labels = [compare.training_label(cfg, start, cfg.decoder.name in checkpoints)
+              for cfg, start in zip(cfgs, starts)]
+    return cfgs, starts, labels
+
+
+def test_blockwise_starts_from_the_sequential_row_frozen_unless_told_otherwise():
+    cfgs, starts, labels = backbone_plan(["sequential", "pipelined", "blockwise"])
+    assert starts == [False, False, True] and cfgs[2].decoder.freeze_backbone is True
+    assert labels == ["own", "own", "frozen sequential backbone"]
+    # joint training stays available
+    cfgs, starts, labels = backbone_plan(["sequential", "blockwise"], backbone="own")
+    assert starts == [False, False] and cfgs[1].decoder.freeze_backbone is False
+    assert labels == ["own", "joint"]
+    # without a sequential row there is nothing to build on
+    assert backbone_plan(["blockwise"])[1:] == ([False], ["joint"])
+    # the user's settings win, and the label says what they gave
+    cfgs, starts, labels = backbone_plan(["sequential", "blockwise"], ["decoder.freeze_backbone=false"])
+    assert starts == [False, True] and cfgs[1].decoder.freeze_backbone is False
+    assert labels[1] == "sequential backbone, fine-tuned"
+    cfgs, starts, labels = backbone_plan(["sequential", "blockwise"], ["train.init_from=s.ckpt"])
+    assert starts == [False, False] and cfgs[1].decoder.freeze_backbone is False
+    assert labels == ["train.init_from backbone, fine-tuned"] * 2
+    # a --ckpt row is checked against the frozen default, but loaded, not trained after sequential
+    cfgs, starts, labels = backbone_plan(["sequential", "blockwise"], checkpoints={"blockwise": "b.ckpt"})
+    assert starts == [False, False] and cfgs[1].decoder.freeze_backbone is True
+    assert labels == ["own", "checkpoint"]
+
+
+def test_onestep_builds_on_the_sequential_row_whatever_the_backbone_flag():
+    for backbone in compare.BACKBONES:
+        assert backbone_plan(["sequential", "onestep"], backbone=backbone)[1:] == (
+            [False, True], ["own", "frozen sequential backbone"])
+    assert backbone_plan(["onestep"], ["train.init_from=s.ckpt"])[1:] == (
+        [False], ["frozen train.init_from backbone"])
+
+
+def test_onestep_without_a_backbone_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, ["--decoders", "onestep,pipelined", *TINY,
+                                             *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert "decoder onestep trains on a trained sequential model's backbone" in stderr
+    assert "add sequential to --decoders" in stderr and "train.init_from=" in stderr
+
+
+def test_a_jointly_trained_blockwise_checkpoint_is_checked_against_the_frozen_default(
+        tmp_path, monkeypatch, capsys):
+    path = stored_config(tmp_path / "b.ckpt", "keyphrase", "blockwise", [*TINY, *tracking(tmp_path)])
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, ["--decoders", "sequential,blockwise", "--ckpt",
+                                             f"blockwise={path}", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "decoder.freeze_backbone: False in the checkpoint, True in the plan" in stderr
+    checkpoint = torch.load(path, weights_only=False)
+    for overrides, backbone in ((TINY, "own"), ([*TINY, "decoder.freeze_backbone=false"], "from-sequential")):
+        cfgs, _, _ = backbone_plan(["sequential", "blockwise"], overrides, backbone, {"blockwise": path})
+        compare.check_checkpoint(checkpoint, path, cfgs[1])  # no error
+
+
+@pytest.mark.slow
+def test_blockwise_on_the_sequential_row_is_exact_and_joint_training_is_not(tmp_path):
+    """Stern et al.'s setting by default: blockwise trains its heads on the sequential row's tested
+    checkpoint, whose backbone stays bit-identical, so its exact (top_k=1) decoding predicts what
+    sequential predicts. `--backbone own` trains base head and heads jointly: another backbone."""
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+    def compared(name: str, *argv: str) -> tuple[dict, dict[str, str]]:
+        """A sequential,blockwise comparison: its result, and per decoder its row's checkpoint."""
+        out = tmp_path / f"{name}.json"
+        result = compare.main(["--decoders", "sequential,blockwise", "--out", str(out), "--repeats",
+                               "1", "--speed-examples", "2", *argv, *TINY, *tracking(tmp_path)])
+        assert "| training |" in out.with_suffix(".md").read_text()
+        tags = {r["decoder"]: client.get_run(r["mlflow_run_id"]).data.tags for r in result["rows"]}
+        return result, {d: t.get("tested_checkpoint") or t.get("checkpoint") for d, t in tags.items()}
+
+    frozen, checkpoints = compared("frozen")
+    assert [r["training"] for r in frozen["rows"]] == ["own", "frozen sequential backbone"]
+    sequential, blockwise = (weights(checkpoints[d]) for d in ("sequential", "blockwise"))
+    backbone = [key for key in sequential if key.startswith("backbone.")]
+    assert backbone and all(torch.equal(sequential[key], blockwise[key]) for key in backbone)
+    assert frozen["rows"][1]["options"]["top_k"] == 1
+    predicted = [[r["prediction"] for r in run_artifact_rows(client, row["mlflow_run_id"],
+                                                             tmp_path / row["decoder"])]
+                 for row in frozen["rows"]]
+    assert predicted[0] == predicted[1]
+    assert frozen["rows"][0]["quality"] == frozen["rows"][1]["quality"]
+
+    # joint: the sequential model reused (--ckpt), blockwise trained from scratch
+    joint, joint_checkpoints = compared("joint", "--backbone", "own",
+                                        "--ckpt", f"sequential={checkpoints['sequential']}")
+    assert [r["training"] for r in joint["rows"]] == ["checkpoint", "joint"]
+    blockwise = weights(joint_checkpoints["blockwise"])
+    assert not all(torch.equal(sequential[key], blockwise[key]) for key in backbone)
+
+
+# ---- sweep plots ----------------------------------------------------------------------------------
+
+def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
+    """`--sweep decoder.delay=1,2 --sweep decoder.max_subsequence_length=4,8`: the delay plot has one
+    line per max_subsequence_length, its points in the sweep's order; rows that do not sweep delay
+    (sequential) are not on it."""
+    def row(name: str, swept: dict, quality: float, speedups: tuple):
+        cfg = OmegaConf.create({"decoder": {"name": name, **swept}})
+        entry = {"quality": {"present_f1_at_M": quality},
+                 "speedup_bs1": speedups[0], "speedup_batch": speedups[1]}
+        return compare.Row(cfg, None, None, None, swept=list(swept)), entry
+
+    made = [row("sequential", {}, 0.5, (1.0, 1.0))] + [
+        row("pipelined", {"delay": delay, "max_subsequence_length": length}, quality, (delay, 2 * delay))
+        for length, quality in ((4, 0.1), (8, 0.2)) for delay in (2, 1)]
+    rows, entries = zip(*made)
+    series = compare.sweep_series(list(rows), list(entries), "delay", "present_f1_at_M")
+    assert series == {
+        "pipelined(max_subsequence_length=4)": {"x": [2, 1], "quality": [0.1, 0.1],
+                                                "speedup_bs1": [2, 1], "speedup_batch": [4, 2]},
+        "pipelined(max_subsequence_length=8)": {"x": [2, 1], "quality": [0.2, 0.2],
+                                                "speedup_bs1": [2, 1], "speedup_batch": [4, 2]}}
+    path = tmp_path / "cmp_vs_delay.png"
+    compare.plot_sweep(series, "delay", "present_f1_at_M", 0.5, 16, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # without a sequential row there is no speedup to draw: quality alone
+    compare.plot_sweep(series, "delay", "present_f1_at_M", None, 16, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

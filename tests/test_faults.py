@@ -363,6 +363,15 @@ def test_the_constructor_refuses_the_same_values_in_the_same_words(decoder, over
     assert str(err.value) == message
 
 
+def test_onestep_without_a_trained_backbone_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """onestep only learns proto-tokens on a frozen backbone: on a random one a fit would finish and
+    mean nothing."""
+    stderr = fails_before_any_work(fit, ["--decoder", "onestep", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "decoder onestep trains only on a trained sequential model's backbone" in stderr
+    assert "train.init_from=" in stderr
+
+
 def test_every_numeric_decoder_option_is_in_the_table():
     from decoders import available, decoder_class
     tested = {(decoder, override.split("=")[0][len("decoder."):])
