@@ -181,6 +181,11 @@ class Decoder(nn.Module, abc.ABC):
         """Decode a batch of encoder inputs `(B, source_len)`."""
         raise NotImplementedError
 
+    def trains_backbone(self) -> bool:
+        """Whether training updates the backbone's weights; False when only the decoder's own
+        modules learn (a frozen backbone), which is all a fit of it costs beyond that backbone's."""
+        return True
+
     def calls_for_output(self, subsequences: list[list[int]]) -> int | None:
         """Decoder calls this decoder takes to produce exactly `subsequences` (ids, no end or
         separator tokens) in full, ignoring its length and step bounds; None when the count depends

@@ -152,6 +152,9 @@ class BlockwiseDecoder(Decoder):
         return torch.stack([output_logits(model, head(hidden)) for head in self.heads], dim=-2)
 
     # ---- training ----------------------------------------------------------------------------
+    def trains_backbone(self) -> bool:
+        return not self.freeze_backbone
+
     def loss(self, model, input_ids, attention_mask, layout):
         labels = layout["labels"]                                    # (B, T); -100 = ignored
         train_backbone = torch.is_grad_enabled() and not self.freeze_backbone

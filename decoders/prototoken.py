@@ -154,6 +154,9 @@ class OneStepDecoder(Decoder):
         m = self.m_offset.to(e.dtype).expand(e.size(0), width - 1, -1)           # (B, W-1, d_model)
         return torch.cat([e[:, None], m], dim=1)
 
+    def trains_backbone(self) -> bool:
+        return False
+
     def loss(self, model, input_ids, attention_mask, layout):
         labels = layout["labels"]                                                # (B, T); -100 ignored
         with torch.no_grad():  # frozen encoder: only the proto-token encoder after it learns

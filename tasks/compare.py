@@ -62,6 +62,7 @@ class Row:
     latencies: list[float] = field(default_factory=list)   # per test example, batch size 1
     swept: list[str] = field(default_factory=list)         # options this row's sweep set
     training: str = "own"                                  # `training_label`
+    fit_seconds: float | None = None                       # its training here (None: --ckpt, shared)
 
     @property
     def options(self) -> dict:
@@ -407,6 +408,15 @@ def reference_calls_per_example(row: Row) -> float | None:
     return None if calls is None else statistics.mean(calls)
 
 
+def trained_parameters(module: GenerationTask) -> int:
+    """Weights a fit of this decoder trains: its own modules, plus the backbone unless frozen. A
+    decoder on a frozen sequential backbone costs this on top of the sequential model's training."""
+    count = sum(p.numel() for p in module.decoder.parameters())
+    if module.decoder.trains_backbone():
+        count += sum(p.numel() for p in module.backbone.parameters())
+    return count
+
+
 def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict:
     """The comparison's JSON: one entry per row, with the conditions of the timing (`timing`, from
     `measure_speed`)."""
@@ -417,6 +427,8 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
         entry = {
             "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
             "training": row.training,
+            "trained_parameters": trained_parameters(row.module),
+            "fit_seconds": row.fit_seconds,
             "quality": row.quality,
             "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
             "examples_per_second_batch": row.speed["examples_per_second_batch"],
@@ -450,7 +462,7 @@ def markdown(result: dict) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
 
     head = ["decoder", "training", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
-            "calls/ex", "reference calls/ex", "tokens/call", "peak MB"]
+            "calls/ex", "reference calls/ex", "tokens/call", "peak MB", "trained params", "fit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         cells = [r["label"], r["training"], *(fmt(r["quality"][k]) for k in shown),
@@ -458,7 +470,8 @@ def markdown(result: dict) -> str:
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
                  fmt(r["tokens_per_call"], 2),
-                 fmt(r["peak_memory_mb"], 1)]
+                 fmt(r["peak_memory_mb"], 1), f"{r['trained_parameters']:,}",
+                 fmt(r["fit_seconds"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
     caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
@@ -651,6 +664,7 @@ def main(argv: list[str] | None = None) -> dict:
             result = train_and_test(cfg, tags=row_tags)
             trained[key] = result.built, result.checkpoint
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
+            row.fit_seconds = result.fit_seconds
         if name == "sequential" and sequential_checkpoint is None:
             sequential_checkpoint = trained[key][1]
         row.swept = swept

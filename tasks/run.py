@@ -11,6 +11,7 @@ import pickle
 import sqlite3
 import sys
 import tempfile
+import time
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -289,6 +290,7 @@ class Trained:
     logger: MLFlowLogger
     checkpoint: str
     scores: dict[str, float]
+    fit_seconds: float   # this process's trainer.fit, validation included (a resume: the rest only)
 
 
 class BestCheckpoint(ModelCheckpoint):
@@ -498,8 +500,11 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
         last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
         trainer = make_trainer(cfg, logger,
                                callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
+        fit_started = time.perf_counter()
         trainer.fit(built.module, datamodule=built.datamodule,
                     ckpt_path=resume.checkpoint if resume else None)
+        fit_seconds = time.perf_counter() - fit_started
+        logger.log_metrics({"train/fit_seconds": fit_seconds})
         # The best checkpoint by the task's metric (the latest of equal scores); the last one when
         # validation never ran.
         best = best_checkpoint.best_model_path or last_checkpoint.best_model_path
@@ -507,7 +512,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
         if rank_zero_only.rank == 0:
             logger.experiment.set_tag(run_id, "tested_checkpoint", best)
         log_artifacts(logger, cfg, built.module.prediction_rows("test"))
-    return Trained(built, logger, best, built.module.test_scores)
+    return Trained(built, logger, best, built.module.test_scores, fit_seconds)
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

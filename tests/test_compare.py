@@ -16,7 +16,7 @@ from tests.test_faults import fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
-            "tokens_per_call", "peak_memory_mb"}
+            "tokens_per_call", "peak_memory_mb", "training", "trained_parameters", "fit_seconds"}
 
 
 @pytest.mark.slow
@@ -274,11 +274,19 @@ def test_blockwise_on_the_sequential_row_is_exact_and_joint_training_is_not(tmp_
                  for row in frozen["rows"]]
     assert predicted[0] == predicted[1]
     assert frozen["rows"][0]["quality"] == frozen["rows"][1]["quality"]
+    # the cost of each fit: blockwise trained its heads only, on top of sequential's whole model
+    heads = sum(v.numel() for k, v in blockwise.items() if k.startswith("decoder."))
+    unique = {v.data_ptr(): v for k, v in sequential.items() if k.startswith("backbone.")}  # tied once
+    whole = sum(v.numel() for v in unique.values())
+    assert heads > 0 and [r["trained_parameters"] for r in frozen["rows"]] == [whole, heads]
+    assert all(r["fit_seconds"] > 0 for r in frozen["rows"])
 
     # joint: the sequential model reused (--ckpt), blockwise trained from scratch
     joint, joint_checkpoints = compared("joint", "--backbone", "own",
                                         "--ckpt", f"sequential={checkpoints['sequential']}")
     assert [r["training"] for r in joint["rows"]] == ["checkpoint", "joint"]
+    assert joint["rows"][0]["fit_seconds"] is None and joint["rows"][1]["fit_seconds"] > 0
+    assert joint["rows"][1]["trained_parameters"] == whole + heads
     blockwise = weights(joint_checkpoints["blockwise"])
     assert not all(torch.equal(sequential[key], blockwise[key]) for key in backbone)
 
