@@ -60,24 +60,26 @@ class _Split(Dataset):
 
 
 def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
-                report: DataReport) -> list[list[int]]:
-    """Keep subsequences, in order, while the flat layout (s_1 <sep> ... s_m </s>) fits `max_length`.
+                max_subsequence_length: int, report: DataReport) -> list[list[int]]:
+    """Cut each subsequence to `max_subsequence_length` tokens with its end token (the pipelined
+    layout's [s_i, e]), then keep subsequences, in order, while the flat layout
+    (s_1 <sep> ... s_m </s>) fits `max_length`.
 
     The same cut applies to every decoder, so all of them train on the same targets.
     """
+    longest = max_subsequence_length - 1  # room for the subsequence's end token
     kept: list[list[int]] = []
     used = 1  # the end token
     for sub in subsequences[:max_count]:
+        sub = sub[:longest]
         cost = len(sub) + (1 if kept else 0)
         if used + cost > max_length:
             if not kept:  # a single over-long first subsequence is cut rather than lost
                 kept.append(sub[: max_length - 1])
-                report.subsequences_truncated += 1
-                report.subsequences_dropped += len(subsequences) - 1
-                return kept
             break
         kept.append(sub)
         used += cost
+    report.subsequences_truncated += sum(len(k) < len(sub) for k, sub in zip(kept, subsequences))
     report.subsequences_dropped += len(subsequences) - len(kept)
     return kept
 
@@ -140,10 +142,11 @@ class SubsequenceDataModule(L.LightningDataModule):
             if report.any():
                 log.warning("%s split: %d of %d sources truncated to %d tokens; %d subsequences "
                             "truncated and %d dropped to fit data.max_target_length=%d / "
-                            "data.max_subsequences=%d", split, report.sources_truncated,
-                            report.examples, self.data.max_source_length,
+                            "data.max_subsequences=%d / data.max_subsequence_length=%d", split,
+                            report.sources_truncated, report.examples, self.data.max_source_length,
                             report.subsequences_truncated, report.subsequences_dropped,
-                            self.data.max_target_length, self.data.max_subsequences)
+                            self.data.max_target_length, self.data.max_subsequences,
+                            self.data.max_subsequence_length)
 
     def _train_tokenizer(self):
         schema = schema_for(self.task)
@@ -168,7 +171,7 @@ class SubsequenceDataModule(L.LightningDataModule):
             report.empty_targets += not texts
             subsequences = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
             targets = fit_targets(subsequences, self.data.max_target_length,
-                                  self.data.max_subsequences, report)
+                                  self.data.max_subsequences, self.data.max_subsequence_length, report)
             examples.append(Encoded(index, source + [eos], targets))
         return examples, report
 

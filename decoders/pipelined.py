@@ -29,6 +29,15 @@ Failed explorations keep their slot (subsequence i starts at step i*d, whatever 
 b stays in the context, as in the paper's sequence of subsequences. All examples are done at
 `max_steps`. Output = the non-empty subsequences, in order.
 
+Output bound. An example's output is at most `max_length` tokens counted as the flat layout counts
+them (s_1 <sep> s_2 ... s_m </s>): each token of a non-empty subsequence, its end token included (it
+stands for a separator or the final end), the empty terminator's end not. That is the bound of every
+other decoder (sequential's `max_new_tokens`, NAR's `max_length`, all = data.max_target_length), so
+outputs cut by it are alike across decoders. A call whose tokens would take an example past it keeps
+them, in subsequence order, up to the bound, and ends the example (a bound hit). `max_steps` (decoder
+calls per batch) is only a safety net: unset, it is the most steps the slots allow,
+(max_subsequences - 1) * delay + max_subsequence_length, so it never cuts anything by itself.
+
 Decoding is batched and cached: per call each example feeds its running subsequences' newest tokens,
 padded to the batch's largest count (B, R); the key/value cache grows by R columns per call, and the
 mask hides padding columns. Finished examples are dropped from the batch and the cache.
@@ -76,20 +85,25 @@ def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid)
 
 @register("pipelined")
 class PipelinedDecoder(Decoder):
-    decode_options = ("max_subsequences", "max_subsequence_length", "max_steps", "stop_rule")
+    decode_options = ("max_subsequences", "max_subsequence_length", "max_length", "max_steps",
+                      "stop_rule")
     option_ranges = {"delay": Range(ge=1), "max_subsequences": Range(ge=1),
-                     "max_subsequence_length": Range(ge=1), "max_steps": Range(ge=1),
+                     "max_subsequence_length": Range(ge=1), "max_length": Range(ge=1),
+                     "max_steps": Range(ge=1, optional=True, note="null: as many as the slots allow"),
                      "stop_rule": Choice((FIRST_EMPTY, ALL_END))}
     def __init__(self, backbone_config, special: SpecialTokens, delay: int = 1,
-                 max_subsequences: int = 16, max_subsequence_length: int = 32, max_steps: int = 128,
-                 stop_rule: str = FIRST_EMPTY):
+                 max_subsequences: int = 16, max_subsequence_length: int = 32, max_length: int = 128,
+                 max_steps: int | None = None, stop_rule: str = FIRST_EMPTY):
         super().__init__(backbone_config, special, delay=delay, max_subsequences=max_subsequences,
-                         max_subsequence_length=max_subsequence_length, max_steps=max_steps,
-                         stop_rule=stop_rule)
+                         max_subsequence_length=max_subsequence_length, max_length=max_length,
+                         max_steps=max_steps, stop_rule=stop_rule)
         self.delay = delay
         self.max_subsequences = max_subsequences
         self.max_subsequence_length = max_subsequence_length
-        self.max_steps = max_steps
+        self.max_length = max_length
+        # the last slot starts at step (slots - 1) * delay and runs at most max_subsequence_length
+        self.max_steps = (max_steps if max_steps is not None
+                          else (max_subsequences - 1) * delay + max_subsequence_length)
         self.stop_rule = stop_rule
 
     # -- layout and loss -----------------------------------------------------------------------
@@ -193,7 +207,8 @@ class PipelinedDecoder(Decoder):
         # per original example (rows leave the batch; these stay), read back once at the end
         produced = zeros(batch_size, slots, length)
         produced_length = zeros(batch_size, slots)
-        bound_hits = zeros(batch_size)                          # subsequences cut at max length
+        bound_hits = zeros(batch_size)                          # subsequences cut, or output cut
+        output_length = zeros(batch_size)                       # tokens as the flat layout counts them
         terminations = zeros(batch_size)                        # empty subsequences emitted
         calls = zeros(batch_size)
         tokens_out = zeros(batch_size)
@@ -249,16 +264,24 @@ class PipelinedDecoder(Decoder):
                 for key, position_logits in zip(zip(example.tolist(), slot.tolist(), j.tolist()), logits):
                     logits_seen[key] = position_logits.clone()
 
-            # 4. write the new tokens back to their slots and update the slots' states
-            produced[example, slot, j] = token
-            produced_length[example, slot] = j + 1
-            tokens_out.index_add_(0, example, torch.ones_like(example))
+            # 4. keep the tokens that fit the example's output bound (in subsequence order: the
+            # columns are), write them back to their slots and update the slots' states
             ended = token == self.special.eos
-            too_long = ~ended & (j + 1 >= length)
-            state[live, slot] = torch.where(ended | too_long, DONE, RUNNING)
-            bound_hits.index_add_(0, example, too_long.long())
             empty = ended & (j == 0)
-            terminations.index_add_(0, example, empty.long())
+            cost = zeros(len(counts), width)
+            cost[live, column] = (~empty).long()       # the empty terminator's end is no output
+            fits = output_length[example] + cost.cumsum(1)[live, column] <= self.max_length
+            over = zeros(len(counts)).index_add_(0, live, (~fits).long()) > 0   # (B',) cut here
+            output_length.index_add_(0, example, (fits & ~empty).long())
+            produced[example, slot, j] = token
+            produced_length[example, slot] = j + fits.long()
+            tokens_out.index_add_(0, example, fits.long())
+            too_long = ~ended & (j + 1 >= length)
+            state[live, slot] = torch.where(ended | too_long | over[live], DONE, RUNNING)
+            bound_hits.index_add_(0, example, (too_long & fits).long())
+            bound_hits.index_add_(0, rows.index, over.long())
+            terminations.index_add_(0, example, (empty & fits).long())
+            stopped = stopped | over   # cut: no new starts (under all_end nothing runs: done)
             if self.stop_rule == FIRST_EMPTY:
                 stopped = stopped | (zeros(len(counts)).index_add_(0, live, empty.long()) > 0)
             next_token[live, slot] = token

@@ -424,6 +424,9 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
     out_rows = []
     for row in rows:
         calls = row.telemetry.get("decoder_calls_per_example")
+        # test outputs stopped by a decoder bound (every decoder's: data.max_target_length output
+        # tokens, plus pipelined's slot limits) rather than by their own end token
+        hits, examples = int(row.telemetry["max_steps_hit"]), len(row.module.telemetry.rows)
         entry = {
             "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
             "training": row.training,
@@ -436,6 +439,7 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
             "decoder_calls_per_example": calls,
             "reference_calls_per_example": reference_calls_per_example(row),
             "tokens_per_call": row.telemetry.get("tokens_per_call"),
+            "bound_hits": hits, "bound_hit_fraction": hits / examples if examples else None,
             "peak_memory_mb": row.speed["peak_memory_mb"],
             "mlflow_run_id": row.logger.run_id,
         }
@@ -462,7 +466,8 @@ def markdown(result: dict) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
 
     head = ["decoder", "training", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
-            "calls/ex", "reference calls/ex", "tokens/call", "peak MB", "trained params", "fit s"]
+            "calls/ex", "reference calls/ex", "tokens/call", "bound hits", "peak MB", "trained params",
+            "fit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         cells = [r["label"], r["training"], *(fmt(r["quality"][k]) for k in shown),
@@ -470,6 +475,7 @@ def markdown(result: dict) -> str:
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
                  fmt(r["tokens_per_call"], 2),
+                 f"{r['bound_hits']} ({fmt(r['bound_hit_fraction'], 3)})",
                  fmt(r["peak_memory_mb"], 1), f"{r['trained_parameters']:,}",
                  fmt(r["fit_seconds"], 0)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -249,6 +249,7 @@ VALUE_RANGES: dict[str, Range] = {
     "data.max_source_length": Range(ge=2, note="room for one token and the end token"),
     "data.max_target_length": Range(ge=2, note="room for one token and the end token"),
     "data.max_subsequences": Range(ge=1),
+    "data.max_subsequence_length": Range(ge=2, note="room for one token and the end token"),
     "data.num_workers": Range(ge=0),
     "data.train_size": Range(ge=1),
     "data.validation_size": Range(ge=1),

@@ -16,7 +16,8 @@ from tests.test_faults import fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
-            "tokens_per_call", "peak_memory_mb", "training", "trained_parameters", "fit_seconds"}
+            "tokens_per_call", "bound_hits", "bound_hit_fraction", "peak_memory_mb", "training",
+            "trained_parameters", "fit_seconds"}
 
 
 @pytest.mark.slow
@@ -71,6 +72,13 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
                and r.data.params.get("decoder.name") == "pipelined"
                and "train/loss" in r.data.metrics]
     assert len(trained) == 1
+    # bound hits: each row's count of test outputs its decoder cut, as its predictions record them
+    for row in written["rows"]:
+        cut = [p["hit_max_steps"] for p in
+               run_artifact_rows(client, row["mlflow_run_id"], tmp_path / row["label"])]
+        assert row["bound_hits"] == sum(cut) and row["bound_hit_fraction"] == sum(cut) / len(cut)
+        assert f"| {row['bound_hits']} ({row['bound_hit_fraction']:.3f}) |" in table
+    assert any(row["bound_hits"] for row in written["rows"])  # not vacuous
 
 
 def test_sweep_of_an_option_no_decoder_has_is_refused():

@@ -5,7 +5,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from tasks.config import ConfigError, compose, flatten
+from datamodules.hub import HUB_DATASETS
+from tasks.config import CONFIG_DIR, ConfigError, compose, flatten
 
 
 def test_groups_file_and_overrides_compose_in_order(tmp_path):
@@ -71,11 +72,36 @@ def test_learning_rate_defaults_to_the_models_and_train_lr_overrides_it():
 
 
 def test_interpolated_default_takes_a_value_of_its_resolved_type():
-    cfg = compose("keyphrase", "pipelined", None, ["decoder.max_steps=7"])
-    assert cfg.decoder.max_steps == 7
-    with pytest.raises(ConfigError, match="decoder.max_steps='many' has type str, but decoder.max_steps "
+    cfg = compose("keyphrase", "pipelined", None, ["decoder.max_length=7"])
+    assert cfg.decoder.max_length == 7
+    with pytest.raises(ConfigError, match="decoder.max_length='many' has type str, but decoder.max_length "
                                           "takes int"):
-        compose("keyphrase", "pipelined", None, ["decoder.max_steps=many"])
+        compose("keyphrase", "pipelined", None, ["decoder.max_length=many"])
+
+
+DATA_LIMITS = ("max_source_length", "max_target_length", "max_subsequences", "max_subsequence_length")
+
+
+@pytest.mark.parametrize("name", sorted(HUB_DATASETS))
+def test_each_named_dataset_sets_its_length_limits_and_the_decoders_follow_them(name):
+    """Limits measured on the dataset (results/data_limits.md), not the defaults; pipelined's slot
+    limits and every decoder's output bound are the data limits, overridden or not."""
+    own = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml")
+    assert set(DATA_LIMITS) <= set(own)
+    task = HUB_DATASETS[name].task
+    for overrides, limits in (([], own), (["data.max_target_length=50", "data.max_subsequences=5",
+                                           "data.max_subsequence_length=7"],
+                                          {"max_target_length": 50, "max_subsequences": 5,
+                                           "max_subsequence_length": 7})):
+        cfg = compose(task, "pipelined", None, [f"data={name}", *overrides])
+        assert all(cfg.data[key] == limits[key] for key in DATA_LIMITS if key in limits)
+        assert (cfg.decoder.max_subsequences, cfg.decoder.max_subsequence_length,
+                cfg.decoder.max_length) == (limits["max_subsequences"],
+                                            limits["max_subsequence_length"], limits["max_target_length"])
+        for decoder, option in (("sequential", "max_new_tokens"), ("blockwise", "max_new_tokens"),
+                                ("nar", "max_length"), ("onestep", "max_length")):
+            cfg = compose(task, decoder, None, [f"data={name}", *overrides])
+            assert cfg.decoder[option] == limits["max_target_length"]
 
 
 def test_stored_config_of_an_older_version_gets_new_keys_with_defaults():

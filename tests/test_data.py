@@ -83,14 +83,18 @@ def test_hub_dataset_of_another_task_is_refused():
 def test_fit_targets_counts_what_it_cuts():
     report = DataReport()
     # budget 8: [1,2,3] (3) + sep + [4,5] (2) + end = 7; [6,7] would need 3 more
-    assert fit_targets([[1, 2, 3], [4, 5], [6, 7]], 8, 16, report) == [[1, 2, 3], [4, 5]]
+    assert fit_targets([[1, 2, 3], [4, 5], [6, 7]], 8, 16, 32, report) == [[1, 2, 3], [4, 5]]
     assert report.subsequences_dropped == 1
     report = DataReport()
-    assert fit_targets([list(range(10)), [1]], 5, 16, report) == [[0, 1, 2, 3]]
+    assert fit_targets([list(range(10)), [1]], 5, 16, 32, report) == [[0, 1, 2, 3]]
     assert (report.subsequences_truncated, report.subsequences_dropped) == (1, 1)
     report = DataReport()
-    assert fit_targets([[1], [2], [3]], 50, 2, report) == [[1], [2]]
+    assert fit_targets([[1], [2], [3]], 50, 2, 32, report) == [[1], [2]]
     assert report.subsequences_dropped == 1
+    # max_subsequence_length 3: two tokens and the end token per subsequence, each cut one counted
+    report = DataReport()
+    assert fit_targets([[1, 2, 3, 4], [5], [6, 7, 8]], 50, 16, 3, report) == [[1, 2], [5], [6, 7]]
+    assert (report.subsequences_truncated, report.subsequences_dropped) == (2, 0)
 
 
 def test_datamodule_limits_truncation_and_batches(tmp_path):

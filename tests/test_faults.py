@@ -249,7 +249,11 @@ DECODER_BAD_VALUES = [
     ("pipelined", "decoder.max_subsequences=0", "decoder.max_subsequences must be an integer >= 1, got 0"),
     ("pipelined", "decoder.max_subsequence_length=0",
      "decoder.max_subsequence_length must be an integer >= 1, got 0"),
-    ("pipelined", "decoder.max_steps=0", "decoder.max_steps must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.max_steps=0", "decoder.max_steps must be an integer >= 1 or null (null: "
+                                         "as many as the slots allow), got 0"),
+    ("pipelined", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.stop_rule=paper",
+     "decoder.stop_rule must be one of 'first_empty', 'all_end', got 'paper'"),
     ("blockwise", "decoder.block_size=1", "decoder.block_size must be an integer >= 2 (the base head "
                                           "plus at least one proposal head), got 1"),
     ("blockwise", "decoder.top_k=0", "decoder.top_k must be an integer >= 1 (1 = exact acceptance), got 0"),
@@ -378,8 +382,11 @@ def test_every_numeric_decoder_option_is_in_the_table():
               for decoder, override, _ in DECODER_BAD_VALUES}
     for name in available():
         parameters = inspect.signature(decoder_class(name).__init__).parameters
+        # numeric by default, or by its declared range or choice (pipelined's max_steps: null
+        # by default; its stop_rule: a name)
         numeric = {option for option, p in parameters.items()
                    if isinstance(p.default, (int, float)) and not isinstance(p.default, bool)}
+        numeric |= set(decoder_class(name).option_ranges)
         assert numeric == {option for decoder, option in tested if decoder == name}, name
 
 
