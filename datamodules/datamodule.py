@@ -177,25 +177,15 @@ class SubsequenceDataModule(L.LightningDataModule):
 
     # -- batches ----------------------------------------------------------------------------------
     def collate(self, examples: list[Encoded]) -> dict:
-        input_ids = pad_batch([e.source_ids for e in examples], self.tokenizer.pad_token_id)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": (input_ids != self.tokenizer.pad_token_id).long(),
-            "index": torch.tensor([e.index for e in examples], dtype=torch.long),
-            "targets": [e.target_ids for e in examples],
-        }
+        return collate(examples, self.tokenizer.pad_token_id)
 
     def dataset(self, split: str) -> _Split:
         self.setup()
         return _Split(self._encoded[split])
 
     def _loader(self, split: str, batch_size: int, sampler: Sampler) -> DataLoader:
-        # Its own generator: otherwise every new iterator draws its workers' base seed from torch's
-        # global generator, and when an iterator is made (before or after an epoch's reseeding, see
-        # GenerationTask.on_train_epoch_start) would change the training's random draws.
-        return DataLoader(self.dataset(split), batch_size=batch_size, sampler=sampler,
-                          collate_fn=self.collate, num_workers=self.data.num_workers,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return loader(self.dataset(split), batch_size, sampler, self.collate, self.data.num_workers,
+                      self.seed)
 
     def train_dataloader(self) -> DataLoader:
         # The order of epoch e is a function of (seed, e) alone (the sampler reseeds from
@@ -216,6 +206,26 @@ class SubsequenceDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.ordered_loader("test")
+
+
+def collate(examples: list[Encoded], pad: int) -> dict:
+    """A batch (see the module's docstring) of encoded examples, sources right-padded with `pad`."""
+    input_ids = pad_batch([e.source_ids for e in examples], pad)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": (input_ids != pad).long(),
+        "index": torch.tensor([e.index for e in examples], dtype=torch.long),
+        "targets": [e.target_ids for e in examples],
+    }
+
+
+def loader(dataset: Dataset, batch_size: int, sampler: Sampler, collate_fn, num_workers: int,
+           seed: int) -> DataLoader:
+    # Its own generator: otherwise every new iterator draws its workers' base seed from torch's
+    # global generator, and when an iterator is made (before or after an epoch's reseeding, see
+    # BackboneTraining.on_train_epoch_start) would change the training's random draws.
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                      num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
 
 
 def process_group() -> tuple[int, int]:

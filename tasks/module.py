@@ -93,8 +93,10 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-class GenerationTask(L.LightningModule):
-    primary_metric = ""  # the validation metric that picks the best checkpoint
+class BackboneTraining(L.LightningModule):
+    """A backbone trained with a decoder plug-in's layout and loss, whose checkpoints carry what
+    rebuilds it (tokenizer, architecture, configuration): the training half of every task module,
+    and all of `tasks.pretrain`'s denoising module."""
 
     def __init__(self, cfg: DictConfig, backbone, decoder: Decoder, tokenizer):
         super().__init__()
@@ -102,18 +104,8 @@ class GenerationTask(L.LightningModule):
         self.backbone = backbone
         self.decoder = decoder
         self.tokenizer = tokenizer
-        self.metrics = torch.nn.ModuleDict(self.make_metrics())
-        self.telemetry = DecodeTelemetry()
         self.save_hyperparameters({"cfg": OmegaConf.to_container(cfg, resolve=True)})
 
-    # -- what a task defines -------------------------------------------------------------------
-    def make_metrics(self) -> dict[str, torch.nn.Module]:
-        raise NotImplementedError
-
-    def update_metrics(self, predictions: list[list[str]], records: list[dict]) -> None:
-        raise NotImplementedError
-
-    # -- training ------------------------------------------------------------------------------
     def on_train_epoch_start(self):
         # Dropout and the decoders' own draws (e.g. NAR's training masks) use torch's global
         # generator. Reseeding it from (seed, epoch, rank) makes an epoch's draws independent of
@@ -121,9 +113,13 @@ class GenerationTask(L.LightningModule):
         # exactly like an uninterrupted one; the batch order is seeded the same way by the sampler.
         torch.manual_seed(epoch_seed(self.cfg.seed, self.current_epoch, self.global_rank))
 
-    def training_step(self, batch, batch_idx):
+    def batch_loss(self, batch) -> torch.Tensor:
+        """The decoder's training loss on a batch's targets, in the decoder's layout."""
         layout = {k: v.to(self.device) for k, v in self.decoder.layout(batch["targets"]).items()}
-        loss = self.decoder.loss(self.backbone, batch["input_ids"], batch["attention_mask"], layout)
+        return self.decoder.loss(self.backbone, batch["input_ids"], batch["attention_mask"], layout)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.batch_loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].size(0))
         return loss
 
@@ -134,6 +130,33 @@ class GenerationTask(L.LightningModule):
         schedule = get_linear_schedule_with_warmup(optimizer, min(self.cfg.train.warmup_steps, total // 2),
                                                    total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- checkpoints carry what is needed to rebuild the model ---------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["decoder_name"] = self.decoder.name
+        # The tokenizer and the backbone's architecture, so that testing, resuming or starting from
+        # the checkpoint needs neither a pretrained model's folder nor the hub (`tasks.run.
+        # stored_model`); plain strings, lists and dicts, loadable with torch.load(weights_only=True).
+        checkpoint["tokenizer_json"], checkpoint["tokenizer_settings"] = serialize(self.tokenizer)
+        checkpoint["backbone_config"] = self.backbone.config.to_dict()
+
+
+class GenerationTask(BackboneTraining):
+    """A task: training as `BackboneTraining`, validation and test by decoding with the decoder
+    plug-in and scoring with the task's metrics."""
+    primary_metric = ""  # the validation metric that picks the best checkpoint
+
+    def __init__(self, cfg: DictConfig, backbone, decoder: Decoder, tokenizer):
+        super().__init__(cfg, backbone, decoder, tokenizer)
+        self.metrics = torch.nn.ModuleDict(self.make_metrics())
+        self.telemetry = DecodeTelemetry()
+
+    # -- what a task defines -------------------------------------------------------------------
+    def make_metrics(self) -> dict[str, torch.nn.Module]:
+        raise NotImplementedError
+
+    def update_metrics(self, predictions: list[list[str]], records: list[dict]) -> None:
+        raise NotImplementedError
 
     # -- decoding and scoring ------------------------------------------------------------------
     def decode_batch(self, batch) -> list[list[str]]:
@@ -211,15 +234,6 @@ class GenerationTask(L.LightningModule):
         records = self.trainer.datamodule.records(split)
         return [{"id": records[i]["id"], **row, "targets": target_texts(self.cfg.task.name, records[i])}
                 for i, row in sorted(self.telemetry.rows.items())]
-
-    # -- checkpoints carry what is needed to rebuild the model ---------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["decoder_name"] = self.decoder.name
-        # The tokenizer and the backbone's architecture, so that testing, resuming or starting from
-        # the checkpoint needs neither a pretrained model's folder nor the hub (`tasks.run.
-        # stored_model`); plain strings, lists and dicts, loadable with torch.load(weights_only=True).
-        checkpoint["tokenizer_json"], checkpoint["tokenizer_settings"] = serialize(self.tokenizer)
-        checkpoint["backbone_config"] = self.backbone.config.to_dict()
 
 
 class KeyphraseTask(GenerationTask):
