@@ -16,6 +16,10 @@
 #                                                # its backbone frozen (train.init_from)
 #   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
+#   results/run_benchmarks.sh onestep TASK S     # the one-call decoders (nar with 1 iteration, onestep
+#                                                # on S's frozen backbone) beside sequential checkpoint S
+#   results/run_benchmarks.sh prototokens TASK S # Mezentsev & Oseledets' proto-token experiment on S
+#                                                # (CPU-sized: 8 texts, 2 restarts, 1000 iterations)
 #   results/run_benchmarks.sh stop-rule TASK S P # pipelined checkpoint P decoded under both stopping
 #                                                # rules beside sequential checkpoint S (no training)
 #
@@ -54,6 +58,15 @@ case "${1:-}" in
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
             --ckpt "sequential=$2" data=jsonl data.path=.cache/distilled/builtin_keyphrase \
             --out results/builtin_keyphrase_nar_distilled.json ;;
+    onestep)
+        python -m tasks.compare --task "$2" --decoders sequential,nar,onestep --ckpt "sequential=$3" \
+            --sweep decoder.iterations=1 $SPEED --out "results/builtin_$2_onestep.json" ;;
+    prototokens)
+        EXPERIMENT="--ckpt $3 --texts 8 --restarts 2 --iterations 1000 --lengths 1,2,4,8,16,32 --context with,without"
+        python -m tasks.prototokens $EXPERIMENT --arrangement e-m,e-e,e-m-alternating,m-e \
+            --out "results/prototokens_$2.json"
+        python -m tasks.prototokens $EXPERIMENT --arrangement e-m --share m \
+            --out "results/prototokens_$2_share_m.json" ;;
     stop-rule)  # decode-time option: both rules on the same trained pipelined model
         python -m tasks.compare --task "$2" --decoders sequential,pipelined --ckpt "sequential=$3" \
             --ckpt "pipelined=$4" --sweep decoder.stop_rule=first_empty,all_end $SPEED \
@@ -65,6 +78,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | stop-rule TASK S P" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P" >&2
         exit 2 ;;
 esac
