@@ -26,10 +26,9 @@ spaces before punctuation), and then the baselines lose what a model's output wo
 
 Every baseline is scored twice: as it is (the usual lead-3, comparable with published figures),
 and cut as training targets are cut (`data.max_target_length` tokens in the flat layout,
-`data.max_subsequences` sentences; `datamodules.datamodule.fit_targets`): what a model that learned
-to write that summary under the run's data limits would output, the fairer point beside models
-trained with those limits. A decoder's own generation bounds (e.g. pipelined's
-max_subsequence_length) are not applied.
+`data.max_subsequences` sentences of at most `data.max_subsequence_length` tokens;
+`datamodules.datamodule.fit_targets`): what a model that learned to write that summary under the
+run's data limits would output, the fairer point beside models trained with those limits.
 
 Writes a table (and FILE.json, FILE.md with --out) and one MLflow run per row in the task's
 experiment, tagged role=baseline, with the metrics under the names the decoders' test runs use
@@ -93,7 +92,8 @@ def score(summaries: list[list[str]], records: list[dict], tokenizer,
            for sentences in summaries]
     report = DataReport(examples=len(ids))
     if data is not None:
-        ids = [fit_targets(example, data.max_target_length, data.max_subsequences, report)
+        ids = [fit_targets(example, data.max_target_length, data.max_subsequences,
+                           data.max_subsequence_length, report)
                for example in ids]
     predictions = subsequence_texts(tokenizer, ids)
     rouge = Rouge()

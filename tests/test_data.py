@@ -202,6 +202,7 @@ def test_predictions_read_back_as_the_references_they_reproduce(tmp_path):
     for split, rows in (("train", train), ("validation", train), ("test", test)):
         write_split(tmp_path / "data", split, rows)
     cfg = compose("keyphrase", overrides=["data=jsonl", f"data.path={tmp_path / 'data'}",
+                                          "data.max_subsequence_length=128",  # nothing cut
                                           f"data.tokenizer_cache={tmp_path / 'tok'}", "model.d_model=16",
                                           "model.d_ff=16", "model.d_kv=8", "model.num_heads=2"])
     built = build(cfg)

@@ -48,7 +48,7 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
         score_into_run(logger, cfg, built)
-        return Trained(built, logger, "", built.module.test_scores)
+        return Trained(built, logger, "", built.module.test_scores, fit_seconds=0.0)
 
     decodes = RecordedDecodes()
     monkeypatch.setattr(compare, "train_and_test", tested_untrained)
