@@ -55,8 +55,9 @@ case "${1:-}" in
             --out results/builtin_keyphrase_blockwise_frozen.json ;;
     nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
         python -m tasks.distill --ckpt "$2" --out .cache/distilled/builtin_keyphrase
+        # sequential is trained on the distilled data too (a --ckpt of S would be refused: other data)
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
-            --ckpt "sequential=$2" data=jsonl data.path=.cache/distilled/builtin_keyphrase \
+            data=jsonl data.path=.cache/distilled/builtin_keyphrase \
             --out results/builtin_keyphrase_nar_distilled.json ;;
     onestep)
         python -m tasks.compare --task "$2" --decoders sequential,nar,onestep --ckpt "sequential=$3" \
