@@ -57,7 +57,7 @@ from tasks.run import (
     main_guard,
     open_tracking,
     run_status,
-    write_report,
+    show_report,
 )
 
 TASK = "summarization"
@@ -200,11 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
                               "max_subsequences": cfg.data.max_subsequences},
               "data_report": {split: asdict(datamodule.report[split]) for split in ("train", SPLIT)},
               "baselines": definitions, "rows": rows}
-    table = markdown(result)
-    print(table)
-    if args.out:
-        out = write_report(args.out, result, table)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    show_report(args.out, result, markdown(result))
     return result
 
 

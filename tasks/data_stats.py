@@ -26,7 +26,7 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import SCHEMAS
 from datamodules.sources import SPLITS
 from tasks.config import compose
-from tasks.run import write_report
+from tasks.run import show_report
 
 UNLIMITED = 10 ** 9
 NO_CUT = [f"data.{key}={UNLIMITED}" for key in
@@ -95,10 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"data": name, "task": task, "tokenizer": tokenizer,
                          **{q: summary(counted[q]) for q in QUANTITIES}})
     command = " ".join(["python -m tasks.data_stats", *(sys.argv[1:] if argv is None else argv)])
-    table = f"`{command}`\n\n" + markdown(rows)
-    print(table)
-    if args.out:
-        write_report(args.out, rows, table)
+    show_report(args.out, rows, f"`{command}`\n\n" + markdown(rows))
     return rows
 
 

@@ -28,7 +28,7 @@ from decoders import build_decoder
 from tasks.compare import parse_decoders, parse_sweeps, plan, reference_calls, row_label
 from tasks.config import to_yaml
 from tasks.models import build_backbone
-from tasks.run import base_parser, decoder_options, main_guard, write_report
+from tasks.run import base_parser, decoder_options, main_guard, show_report
 
 
 def reference_counts(planned, datamodule: SubsequenceDataModule, split: str) -> list[dict]:
@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         "data_report": asdict(datamodule.report[args.split]),
         "rows": reference_counts(planned, datamodule, args.split),
     }
-    table = markdown(result)
-    print(table)
-    if args.out:
-        out = write_report(args.out, result, table)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    show_report(args.out, result, markdown(result))
     return result
 
 

@@ -146,6 +146,15 @@ def write_report(out: str | Path, result: dict, table: str) -> Path:
     return out
 
 
+def show_report(out: str | Path | None, result, table: str) -> None:
+    """A small command's ending: its table printed, and with `--out FILE.json` the result written
+    as FILE.json + FILE.md (`write_report`)."""
+    print(table)
+    if out:
+        out = write_report(out, result, table)
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
 def experiment_name(cfg: DictConfig) -> str:
     return cfg.tracking.experiment or cfg.task.name
 

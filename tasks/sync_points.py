@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
-from tasks.run import write_report
+from tasks.run import show_report
 
 _SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
 _MASK_INDEXING_OPS = {"index", "index_put", "index_put_"}
@@ -156,10 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = tiny_random_t5()
     input_ids, attention_mask = random_inputs(args.batch_size, model.config.vocab_size)
     results = sync_points_per_call(model, input_ids, attention_mask, args.steps)
-    table = markdown(results, args.batch_size, args.steps)
-    print(table)
-    if args.out:
-        write_report(args.out, results, table)
+    show_report(args.out, results, markdown(results, args.batch_size, args.steps))
     return results
 
 
