@@ -54,11 +54,12 @@ case "${1:-}" in
             "train.init_from=$2" decoder.freeze_backbone=true $SPEED \
             --out results/builtin_keyphrase_blockwise_frozen.json ;;
     nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
-        python -m tasks.distill --ckpt "$2" --out .cache/distilled/builtin_keyphrase
+        # one folder per teacher (tasks.distill never overwrites one): a rerun reuses it
+        DISTILLED=".cache/distilled/builtin_keyphrase_$(sha1sum "$2" | cut -c1-12)"
+        [ -d "$DISTILLED" ] || python -m tasks.distill --ckpt "$2" --out "$DISTILLED"
         # sequential is trained on the distilled data too (a --ckpt of S would be refused: other data)
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
-            data=jsonl data.path=.cache/distilled/builtin_keyphrase \
-            --out results/builtin_keyphrase_nar_distilled.json ;;
+            data=jsonl data.path="$DISTILLED" --out results/builtin_keyphrase_nar_distilled.json ;;
     onestep)
         python -m tasks.compare --task "$2" --decoders sequential,nar,onestep --ckpt "sequential=$3" \
             --sweep decoder.iterations=1 $SPEED --out "results/builtin_$2_onestep.json" ;;
