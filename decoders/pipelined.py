@@ -49,38 +49,63 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (Choice, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens, encode,
-                           gather_self_attention_cache, hidden_mask, new_cache, output_logits,
-                           pad_batch, past_distance_bias_table, read_back, run_decoder)
+from decoders.base import (NOT_PRODUCED, Choice, DecodeOutput, Decoder, LiveRows, Range,
+                           SpecialTokens, encode, gather_self_attention_cache, new_cache,
+                           output_logits, pad_batch, past_distance_bias_table, read_back,
+                           run_decoder)
 
-# slot states in decoding
-WAITING, RUNNING, DONE = 0, 1, 2
+# slot states in decoding; RUNNING sorts first, so a stable argsort of the states lists an
+# example's running slots first, in subsequence order
+RUNNING, WAITING, DONE = 0, 1, 2
 # the stopping rules (module docstring)
 FIRST_EMPTY, ALL_END = "first_empty", "all_end"
+# `produced` entries: never written, and a token that was emitted but cut by the output bound
+CUT = -2
 
 
 @dataclass
 class Grid:
-    """Tokens of a batch laid out on the (subsequence, offset) grid, flattened to (B, N)."""
+    """Positions of a batch's tokens on the (subsequence, offset) grid, flattened to (B, N).
 
-    tokens: torch.Tensor      # (B, N) decoder input ids (pad where invalid)
-    subsequence: torch.Tensor  # (B, N) i
-    offset: torch.Tensor      # (B, N) j
-    valid: torch.Tensor       # (B, N) bool
+    A position that holds no token (padding) has subsequence index `padding_index`, one past every
+    real one: no query of a real subsequence sees it (it lies in no one's past), so no validity
+    mask is needed. A padding query sees whatever; its output is never read."""
+
+    subsequence: torch.Tensor  # (B, N) i, or padding_index
+    offset: torch.Tensor       # (B, N) j
+
+    @classmethod
+    def of_layout(cls, layout: dict, padding_index: int) -> "Grid":
+        return cls(layout["subsequence"].masked_fill(~layout["valid"], padding_index), layout["offset"])
 
 
-def attention_bias(bias_table: torch.Tensor, delay: int, query: Grid, key: Grid) -> torch.Tensor:
-    """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility.
+def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
+                    offsets: int) -> torch.Tensor:
+    """The self-attention bias of every relative grid position, computed once per forward or
+    `generate` so that each call only gathers from it (`attention_bias`).
 
-    `bias_table[d]` is the (heads,) bias of past-distance d (`base.past_distance_bias_table`).
-    """
-    qi, qj = query.subsequence[:, :, None], query.offset[:, :, None]   # (B, Q, 1)
-    ki, kj = key.subsequence[:, None, :], key.offset[:, None, :]       # (B, 1, K)
-    visible = key.valid[:, None, :] & (ki <= qi) & (ki * delay + kj <= qi * delay + qj)
-    # no clamp: a table too short for some distance must fail, not bias it as a nearer one
-    distance = (qi - ki).abs() + (qj - kj).abs()
-    bias = bias_table[distance].permute(0, 3, 1, 2)                    # (B, heads, Q, K)
-    return bias + hidden_mask(visible, bias.dtype)
+    Returns (padding_index + 2, 2 * offsets + 1, heads): entry [di + 1, dj + offsets] is the bias of
+    a key di subsequences before and dj tokens before its query (di = qi - ki in -1..padding_index
+    (`Grid`), where -1
+    stands for every key of a later subsequence; dj = qj - kj in -offsets..offsets): T5's bias of
+    the Manhattan distance di + |dj| (`distance_bias[d]`, `base.past_distance_bias_table`) where the
+    key is visible (di >= 0 and its time ki*d + kj <= the query's, i.e. di*d + dj >= 0), and the
+    dtype's lowest value where it is not. `distance_bias` must reach padding_index + offsets: a
+    table too short for some distance fails here, rather than bias it as a nearer one."""
+    di = torch.arange(-1, padding_index + 1, device=distance_bias.device)[:, None]          # (I, 1)
+    dj = torch.arange(-offsets, offsets + 1, device=distance_bias.device)[None, :]   # (1, J)
+    visible = (di >= 0) & (di * delay + dj >= 0)                                     # (I, J)
+    bias = distance_bias[di.clamp(min=0) + dj.abs()]                                 # (I, J, heads)
+    return bias.masked_fill(~visible[..., None], torch.finfo(bias.dtype).min)
+
+
+def attention_bias(table: torch.Tensor, query: Grid, key: Grid) -> torch.Tensor:
+    """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility,
+    gathered from `structure_table`'s `table` (whose offsets bound is (table.size(1) - 1) / 2)."""
+    offsets = (table.size(1) - 1) // 2
+    di = (query.subsequence[:, :, None] - key.subsequence[:, None, :]).clamp_(min=-1) + 1   # (B, Q, K)
+    dj = query.offset[:, :, None] - key.offset[:, None, :] + offsets                       # (B, Q, K)
+    return table[di, dj].permute(0, 3, 1, 2)
 
 
 @register("pipelined")
@@ -149,13 +174,15 @@ class PipelinedDecoder(Decoder):
 
     def teacher_forced_logits(self, model, input_ids, attention_mask, layout) -> torch.Tensor:
         """(B, N, vocab) logits of the whole layout in one uncached pass (training forward)."""
-        grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
         # A visible pair can lie max(i) + max(j) apart: the terminator (m, 0) sees offset max(j)
-        # of subsequence 0. The table must reach that far, as decoding's does.
-        longest = int(grid.subsequence.max() + grid.offset.max())
-        bias = attention_bias(past_distance_bias_table(model, longest), self.delay, grid, grid)
+        # of subsequence 0 (and padding positions lie one subsequence further)
+        padding_index, offsets = int(layout["subsequence"].max()) + 1, int(layout["offset"].max())
+        table = structure_table(past_distance_bias_table(model, padding_index + offsets), self.delay,
+                                padding_index, offsets)
+        grid = Grid.of_layout(layout, padding_index)
+        bias = attention_bias(table, grid, grid)
         encoder_states = encode(model, input_ids, attention_mask)
-        hidden = run_decoder(model, grid.tokens, bias, encoder_states, attention_mask)
+        hidden = run_decoder(model, layout["tokens"], bias, encoder_states, attention_mask)
         return output_logits(model, hidden)
 
     def loss(self, model, input_ids, attention_mask, layout):
@@ -187,43 +214,48 @@ class PipelinedDecoder(Decoder):
 
         Host syncs: one per decoder call (`LiveRows.drop_finished` reads back which examples
         finished together with each one's running count for the next call, which sets that call's
-        width and which columns need vocabulary logits); all other bookkeeping is tensor ops on
-        per-slot state, and the results are read back once, at the end.
+        width and which columns need vocabulary logits). All other bookkeeping is a few tensor ops
+        per call on per-slot state, written back with one scatter; the tokens, and what the bound
+        flags are derived from, are read back once, at the end. At batch size 1 on a CPU these ops,
+        not the model, are what a call costs beyond sequential's, so there are as few as possible.
         """
         device, batch_size, delay = input_ids.device, input_ids.size(0), self.delay
-        slots, length = self.max_subsequences, self.max_subsequence_length
-        table = past_distance_bias_table(model, (slots - 1) + length)   # max(i) + max(j), as in training
+        slots, length, eos = self.max_subsequences, self.max_subsequence_length, self.special.eos
+        # padding columns have subsequence index `slots` (Grid); offsets reach `length` (a slot
+        # that ran its full length, gathered as a padding column)
+        table = structure_table(past_distance_bias_table(model, slots + length), delay, slots, length)
         encoder_states = encode(model, input_ids, attention_mask)
         cache = new_cache() if use_cache else None
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=device)
         rows = LiveRows(batch_size, device)
-        # per live example and slot (subsequence i = slot i)
-        state = torch.full((batch_size, slots), WAITING, dtype=torch.long, device=device)
-        offset = zeros(batch_size, slots)
-        next_token = torch.full((batch_size, slots), self.special.start, dtype=torch.long, device=device)
-        stopped = zeros(batch_size, dtype=torch.bool)           # first_empty: no new starts
-        # per original example (rows leave the batch; these stay), read back once at the end
-        produced = zeros(batch_size, slots, length)
-        produced_length = zeros(batch_size, slots)
-        bound_hits = zeros(batch_size)                          # subsequences cut, or output cut
-        output_length = zeros(batch_size)                       # tokens as the flat layout counts them
-        terminations = zeros(batch_size)                        # empty subsequences emitted
-        calls = zeros(batch_size)
-        tokens_out = zeros(batch_size)
-        keys = Grid(zeros(batch_size, 0), zeros(batch_size, 0), zeros(batch_size, 0),
-                    zeros(batch_size, 0, dtype=torch.bool))
+
+        def full(shape, value, dtype=torch.long):
+            return torch.full(shape, value, dtype=dtype, device=device)
+        # per live example and slot (subsequence i = slot i), (B', 3, slots): the token it feeds
+        # next, its offset j, its state
+        slot_fields = torch.stack([full((batch_size, slots), self.special.start),
+                                   full((batch_size, slots), 0), full((batch_size, slots), WAITING)], 1)
+        may_start = full((batch_size,), True, torch.bool)     # first_empty: cleared by an empty one
+        output_length = full((batch_size,), 0)                 # tokens as the flat layout counts them
+        # keys fed so far, (B', 3, N): token, subsequence (`slots` for padding), offset
+        keys = full((batch_size, 3, 0), 0)
+        # per original example (rows leave the batch; this stays), read back once at the end: each
+        # slot's tokens, CUT where an emitted token did not fit the output bound; padding columns
+        # write into a scratch slot (index `slots`) and a scratch offset (`length`)
+        produced = full((batch_size, slots + 1, length + 1), NOT_PRODUCED)
         logits_seen: dict = {}
         batch_calls = 0
+        originals = list(range(batch_size))   # host: each live example's original row
+        calls = [0] * batch_size              # host: decoder calls per original example
+        ran_out_of_steps = [False] * batch_size
         counts = [1] * batch_size   # host: running subsequences per live example at this step
         fed = [0] * batch_size      # host: tokens each live example has in the cache
         appended = 0                # host: cache columns appended, padding included
+        columns: dict = {}          # counts -> (live, column) of the running columns, built once
 
         for step in range(self.max_steps):
             # 1. start subsequence step/d in every example that may still start one
             if step % delay == 0 and step // delay < slots:
-                state[:, step // delay] = torch.where(stopped, state[:, step // delay], RUNNING)
+                slot_fields[:, 2, step // delay].masked_fill_(may_start, RUNNING)
             width = max(counts)
             if width == 0:
                 # with delay > 1 every live example may wait for its next start: no call; the
@@ -231,108 +263,110 @@ class PipelinedDecoder(Decoder):
                 starts = (step + 1) % delay == 0 and (step + 1) // delay < slots
                 counts = [int(starts)] * len(counts)
                 continue
-            running = state == RUNNING                                       # (B', slots)
-            # 2. gather each example's running slots, in subsequence order, into R columns
-            order = torch.argsort((~running).to(torch.int8), dim=1, stable=True)[:, :width]  # (B', R)
-            valid = torch.gather(running, 1, order)
-            query = Grid(torch.gather(next_token, 1, order).masked_fill(~valid, self.special.pad),
-                         order, torch.gather(offset, 1, order), valid)
-            keys = Grid(*(torch.cat([k, q], 1) for k, q in zip(
-                (keys.tokens, keys.subsequence, keys.offset, keys.valid),
-                (query.tokens, query.subsequence, query.offset, query.valid))))
+            # 2. each example's running slots, in subsequence order, then its others: R columns
+            order = torch.argsort(slot_fields[:, 2], dim=1, stable=True)[:, :width]     # (B', R)
+            order_fields = order[:, None].expand(-1, 3, -1)                              # (B', 3, R)
+            token, offset, state = slot_fields.gather(2, order_fields).unbind(1)        # (B', R) each
+            valid = state == RUNNING
+            query = Grid(order.masked_fill(~valid, slots), offset)
+            # a padding column feeds its slot's stale token: no real query sees it (Grid)
+            keys = torch.cat([keys, torch.stack([token, query.subsequence, offset], 1)], 2)
 
             # 3. one decoder call for all running subsequences of all live examples
             if use_cache:
-                bias = attention_bias(table, delay, query, keys)
-                hidden = run_decoder(model, query.tokens, bias, encoder_states, attention_mask, cache)
+                bias = attention_bias(table, query, Grid(keys[:, 1], keys[:, 2]))
+                hidden = run_decoder(model, token, bias, encoder_states, attention_mask, cache)
             else:
-                bias = attention_bias(table, delay, keys, keys)
-                hidden = run_decoder(model, keys.tokens, bias, encoder_states, attention_mask)[:, -width:]
+                key = Grid(keys[:, 1], keys[:, 2])
+                bias = attention_bias(table, key, key)
+                hidden = run_decoder(model, keys[:, 0], bias, encoder_states, attention_mask)[:, -width:]
             # vocabulary logits only at the running columns (the first counts[b] of row b): their
             # indices come from the host-side counts, not from a `nonzero` that would wait
-            live = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device)
-            column = torch.tensor([c for n in counts for c in range(n)], device=device)
+            if tuple(counts) not in columns:
+                columns[tuple(counts)] = (
+                    torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device),
+                    torch.tensor([c for n in counts for c in range(n)], device=device))
+            live, column = columns[tuple(counts)]
             logits = output_logits(model, hidden[live, column])              # (n, vocab)
-            token = logits.argmax(-1)                                        # (n,)
-            slot = order[live, column]
-            j = offset[live, slot]
-            example = rows.index[live]
+            emitted = token.index_put((live, column), logits.argmax(-1))     # (B', R); padding: stale
             batch_calls += 1
             appended += width
-            calls.index_add_(0, rows.index, running.any(1).long())
-            if record_logits:
-                for key, position_logits in zip(zip(example.tolist(), slot.tolist(), j.tolist()), logits):
-                    logits_seen[key] = position_logits.clone()
+            for b, count in enumerate(counts):
+                calls[originals[b]] += int(count > 0)
+            if record_logits:   # tests only: the reads here are syncs
+                cells = zip([originals[b] for b in live.tolist()], order[live, column].tolist(),
+                            offset[live, column].tolist())
+                for cell, position_logits in zip(cells, logits):
+                    logits_seen[cell] = position_logits.clone()
 
             # 4. keep the tokens that fit the example's output bound (in subsequence order: the
             # columns are), write them back to their slots and update the slots' states
-            ended = token == self.special.eos
-            empty = ended & (j == 0)
-            cost = zeros(len(counts), width)
-            cost[live, column] = (~empty).long()       # the empty terminator's end is no output
-            fits = output_length[example] + cost.cumsum(1)[live, column] <= self.max_length
-            over = zeros(len(counts)).index_add_(0, live, (~fits).long()) > 0   # (B',) cut here
-            output_length.index_add_(0, example, (fits & ~empty).long())
-            produced[example, slot, j] = token
-            produced_length[example, slot] = j + fits.long()
-            tokens_out.index_add_(0, example, fits.long())
-            too_long = ~ended & (j + 1 >= length)
-            state[live, slot] = torch.where(ended | too_long | over[live], DONE, RUNNING)
-            bound_hits.index_add_(0, example, (too_long & fits).long())
-            bound_hits.index_add_(0, rows.index, over.long())
-            terminations.index_add_(0, example, (empty & fits).long())
-            stopped = stopped | over   # cut: no new starts (under all_end nothing runs: done)
-            if self.stop_rule == FIRST_EMPTY:
-                stopped = stopped | (zeros(len(counts)).index_add_(0, live, empty.long()) > 0)
-            next_token[live, slot] = token
-            offset[live, slot] = j + 1
+            ended = (emitted == eos) & valid
+            empty = ended & (offset == 0)
+            counted = valid & ~empty                 # the empty terminator's end is no output
+            fits = (output_length[:, None] + counted.cumsum(1) <= self.max_length) & valid
+            over = (valid & ~fits).any(1)            # (B',) the output was cut here
+            output_length = output_length + (fits & ~empty).sum(1)
+            finished = ended | (offset + 1 >= length) | over[:, None]
+            slot_fields.scatter_(2, order_fields, torch.stack(
+                [emitted, offset + valid, torch.where(finished & valid, DONE, state)], 1))
+            produced[rows.index[:, None], query.subsequence, offset] = torch.where(fits, emitted, CUT)
+            # a cut output starts nothing more (under all_end nothing of it runs: it is done);
+            # under first_empty an empty subsequence stops new starts
+            stops = (over | empty.any(1)) if self.stop_rule == FIRST_EMPTY else over
+            may_start = may_start & ~stops
 
             # 5. drop the examples that are done (first_empty: nothing running and nothing left to
             # start; all_end: nothing running, whatever could still start); read back, in the same
             # transfer, how many subsequences each kept example runs at the next step
-            still_running = state == RUNNING
+            still_running = slot_fields[:, 2] == RUNNING
             done = ~still_running.any(1)
-            if self.stop_rule == FIRST_EMPTY:
-                done = done & (stopped | ((slots - 1) * delay <= step))
-            starts_next = (step + 1) % delay == 0 and (step + 1) // delay < slots
-            kept = rows.drop_finished(
-                done, cache, encoder_states, attention_mask, state,
-                offset, next_token, stopped, keys.tokens, keys.subsequence, keys.offset, keys.valid,
-                also=still_running.sum(1) + (~stopped & starts_next))
+            if self.stop_rule == FIRST_EMPTY and step < (slots - 1) * delay:
+                done = done & ~may_start
+            running_next = still_running.sum(1)
+            if (step + 1) % delay == 0 and (step + 1) // delay < slots:
+                running_next = running_next + may_start
+            kept = rows.drop_finished(done, cache, encoder_states, attention_mask, slot_fields,
+                                      may_start, output_length, keys, also=running_next)
             if kept is None:
                 break
-            (encoder_states, attention_mask, state, offset, next_token, stopped, *key_fields) = kept
-            keys = Grid(*key_fields)
+            encoder_states, attention_mask, slot_fields, may_start, output_length, keys = kept
+            originals = [originals[b] for b in rows.kept]
             fed = [fed[b] + counts[b] for b in rows.kept]
             counts = rows.values
-            if use_cache and keys.valid.size(1) > max(fed):
+            if use_cache and keys.size(2) > max(fed):
                 # pack each example's fed columns to the front (stable: their order is kept) and
                 # crop the padding every example has past its own
-                order = torch.argsort((~keys.valid).to(torch.int8), dim=1, stable=True)[:, :max(fed)]
+                padding = (keys[:, 1] == slots).to(torch.int8)
+                order = torch.argsort(padding, dim=1, stable=True)[:, :max(fed)]
                 gather_self_attention_cache(cache, order)
-                keys = Grid(*(torch.gather(k, 1, order) for k in
-                              (keys.tokens, keys.subsequence, keys.offset, keys.valid)))
+                keys = keys.gather(2, order[:, None].expand(-1, 3, -1))
             if cache_trace is not None and use_cache:
                 cache_trace.append((cache.get_seq_length(), list(fed), appended))
         else:
-            bound_hits.index_add_(0, rows.index, torch.ones_like(rows.index))  # max_steps reached
+            for b in originals:
+                ran_out_of_steps[b] = True   # max_steps reached
 
+        # The bound flags, from the tokens: a slot cut at max_subsequence_length wrote a last
+        # token that is not e; an output cut by max_length holds a CUT.
+        tokens = produced[:, :slots, :length]                               # (B, slots, length)
+        produced_length = (tokens >= 0).sum(-1)                             # (B, slots)
+        last = tokens[:, :, -1]
+        hit_bound = ((last >= 0) & (last != eos)).any(1) | (tokens == CUT).flatten(1).any(1)
         if self.stop_rule == FIRST_EMPTY:
             # An example that used all `max_subsequences` slots never emitted its empty terminator:
             # it was cut by that bound as surely as by `max_steps`.
-            cut_by_slots = terminations == 0
-        else:
-            # Under all_end an example takes part in a call at every step until it is done, so
-            # one with more calls than slots*d still ran at step slots*d, whose exploration found
-            # no slot left.
-            cut_by_slots = calls > slots * delay
-        hit_bound = (bound_hits > 0) | cut_by_slots
-        produced, produced_length, calls, tokens_out, hit_bound = read_back(
-            produced, produced_length, calls, tokens_out, hit_bound)
+            hit_bound = hit_bound | ~(tokens[:, :, 0] == eos).any(1)
+        tokens, produced_length, hit_bound = read_back(tokens, produced_length, hit_bound)
+        # Under all_end an example takes part in a call at every step until it is done, so one
+        # with more calls than slots*d still ran at step slots*d, whose exploration found no slot.
+        cut_by_slots = [self.stop_rule == ALL_END and n > slots * delay for n in calls]
         output = DecodeOutput(
-            subsequences=[self._subsequences(tokens, lengths)
-                          for tokens, lengths in zip(produced, produced_length)],
-            decoder_calls=calls, tokens=tokens_out, hit_max_steps=[bool(h) for h in hit_bound],
+            subsequences=[self._subsequences(rows_, lengths)
+                          for rows_, lengths in zip(tokens, produced_length)],
+            decoder_calls=calls, tokens=[sum(lengths) for lengths in produced_length],
+            hit_max_steps=[bool(h) or steps or slots_ for h, steps, slots_
+                           in zip(hit_bound, ran_out_of_steps, cut_by_slots)],
             batch_decoder_calls=batch_calls)
         return output, logits_seen
 

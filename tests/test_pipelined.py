@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from decoders import build_decoder, decoder_class, pipelined as pipelined_module
 from decoders.base import encode, hidden_mask, output_logits, relative_position_bias, run_decoder
-from decoders.pipelined import ALL_END, FIRST_EMPTY, Grid, attention_bias
+from decoders.pipelined import ALL_END, FIRST_EMPTY, Grid, attention_bias, structure_table
 from tasks.config import ConfigError, compose
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
@@ -41,9 +41,9 @@ def test_layout_of_figure_2_by_hand():
     times = (layout["subsequence"] * 1 + layout["offset"])[0].tolist()
     assert times == [0, 1, 2, 3, 1, 2, 3, 2]
 
-    grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
-    table = torch.zeros(20, 1)  # zero bias: what remains is the visibility mask
-    visible = (attention_bias(table, 1, grid, grid)[0, 0] == 0).int().tolist()
+    grid = Grid.of_layout(layout, 3)
+    table = structure_table(torch.zeros(20, 1), 1, 3, 3)  # zero bias: what remains is visibility
+    visible = (attention_bias(table, grid, grid)[0, 0] == 0).int().tolist()
     #            b  A  B  C  b  D  E  b      keys; rows = queries in the same order
     expected = [[1, 0, 0, 0, 0, 0, 0, 0],   # (0,0) t0
                 [1, 1, 0, 0, 0, 0, 0, 0],   # (0,1) t1
@@ -55,8 +55,8 @@ def test_layout_of_figure_2_by_hand():
                 [1, 1, 1, 0, 1, 1, 0, 1]]   # (2,0) t2
     assert visible == expected
     # relative distances: Manhattan |i-i'| + |j-j'|, read back through a table bias[d] = d
-    table = torch.arange(20, dtype=torch.float)[:, None]
-    distance = attention_bias(table, 1, grid, grid)[0, 0]
+    table = structure_table(torch.arange(20, dtype=torch.float)[:, None], 1, 3, 3)
+    distance = attention_bias(table, grid, grid)[0, 0]
     assert distance[5, 1].item() == 1 + 0      # (1,1) -> (0,1)
     assert distance[6, 3].item() == 1 + 1      # (1,2) -> (0,3)
     assert distance[7, 2].item() == 2 + 2      # (2,0) -> (0,2)
@@ -92,8 +92,8 @@ def test_training_biases_every_pair_by_its_own_distance_terminator_included():
 
 def test_delay_two_visibility():
     layout = pipelined(tiny_t5(0), delay=2).layout([[[10, 11, 12], [13]]])
-    grid = Grid(layout["tokens"], layout["subsequence"], layout["offset"], layout["valid"])
-    visible = attention_bias(torch.zeros(20, 1), 2, grid, grid)[0, 0] == 0
+    grid = Grid.of_layout(layout, 3)
+    visible = attention_bias(structure_table(torch.zeros(20, 1), 2, 3, 3), grid, grid)[0, 0] == 0
     # (1,0) has time 2: it sees (0,0),(0,1),(0,2) but not (0,3) (time 3)
     assert visible[4, :4].tolist() == [True, True, True, False]
 
@@ -242,7 +242,7 @@ def scripted_pipelined(monkeypatch, script: dict, **options):
     Returns the decoder and the calls it makes, each a list of (i, j, token emitted)."""
     calls: list = []
 
-    def query_positions(table, delay, query, keys):
+    def query_positions(table, query, keys):
         return torch.stack([query.subsequence, query.offset], -1)                   # (B, R, 2)
 
     def scripted_logits(model, positions):                                           # (n, 2)
