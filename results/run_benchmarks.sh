@@ -8,6 +8,11 @@
 #   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
 #   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
 #   results/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
+#   results/run_benchmarks.sh cnndm              # real text: sequential, pipelined, blockwise trained on
+#                                                # ../shared/data/cnndm, 35 minutes of training per decoder
+#   results/run_benchmarks.sh pretrain           # tasks.pretrain on the four ../shared/data text folders
+#   results/run_benchmarks.sh kp20k-pretrained C # sequential and pipelined fitted on kp20k from
+#                                                # pretrained checkpoint C (train.init_from)
 #   results/run_benchmarks.sh delay-sweep TASK [S] # the paper's delay study: one pipelined model per
 #                                                # delay 1-4 on built-in TASK data, with quality and
 #                                                # speedup against delay (*_vs_delay.png)
@@ -46,6 +51,22 @@ case "${1:-}" in
     cnndm-baselines)
         python -m tasks.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \
             --out results/cnndm_baselines.json ;;
+    cnndm)  # cnndm.yaml's limits (data=jsonl gets the defaults), source cut to 320 tokens, a time budget
+        python -m tasks.compare --task summarization --decoders sequential,pipelined,blockwise \
+            --speed-examples 50 --repeats 1 --threads ${THREADS:-2} eval.batch_size=16 \
+            trainer.enable_progress_bar=false data=jsonl data.path=../shared/data/cnndm \
+            data.max_source_length=320 data.max_target_length=200 data.max_subsequences=8 \
+            data.max_subsequence_length=64 data.max_eval_examples=200 \
+            trainer.max_epochs=40 trainer.max_time=00:00:35:00 --out results/cnndm.json ;;
+    pretrain)  # 2000 texts per folder at most, cut to 127 tokens, 8 epochs
+        python -m tasks.pretrain \
+            --data ../shared/data/cnndm,../shared/data/kp20k,../shared/data/pubmed,../shared/data/multispanqa \
+            data.max_train_examples=2000 data.max_eval_examples=100 data.max_target_length=128 \
+            trainer.max_epochs=8 trainer.enable_progress_bar=false --out mlruns/pretrained/t5-tiny-denoiser.ckpt ;;
+    kp20k-pretrained)  # C: a tasks.pretrain checkpoint; compare with the kp20k entry (random init)
+        python -m tasks.compare --task keyphrase --decoders sequential,pipelined $SPEED \
+            data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 train.init_from="$2" \
+            --out results/kp20k_pretrained.json ;;
     delay2)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined --sweep decoder.delay=2 \
             --ckpt "sequential=$2" $SPEED --out results/builtin_keyphrase_delay2.json ;;
@@ -80,6 +101,6 @@ case "${1:-}" in
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | cnndm | pretrain | kp20k-pretrained C | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P" >&2
         exit 2 ;;
 esac
