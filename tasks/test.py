@@ -18,6 +18,11 @@ from tasks.run import (base_parser, build, check_trainer, default_run_name, load
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
+    if "pretraining" in checkpoint:   # written by tasks.pretrain: a backbone, trained for no task
+        raise ConfigError(f"checkpoint {path} is a tasks.pretrain backbone "
+                          f"({checkpoint['pretraining'].get('objective', 'denoising')}), trained for "
+                          f"no task: fit a decoder from it with `python -m tasks.fit --task TASK "
+                          f"--decoder DECODER train.init_from={path}`, then test that fit's checkpoint")
     stored = checkpoint["hyper_parameters"]["cfg"]
     cfg = compose(None, None, config_file, overrides, base=stored)
     for group, key in (("task", "name"), ("model", "name")):

@@ -15,6 +15,7 @@ from datamodules.tokenizer import serialize
 from tasks import pretrain
 from tasks.config import ConfigError, compose
 from tasks.run import load_checkpoint, train_and_test
+from tasks.test import checkpoint_config
 
 MASK = 4
 TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
@@ -128,6 +129,21 @@ def test_bad_folders_are_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="trains model=t5-tiny"):
         pretrain.main(["--data", str(folder), "model=t5-small", *tracking(tmp_path)])
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "tok").exists()
+
+
+def test_a_pretraining_checkpoint_is_refused_where_a_task_checkpoint_is_needed():
+    """tasks.test, tasks.compare --ckpt and the other readers of a fitted checkpoint go through
+    `checkpoint_config`: a denoising backbone is named as such, with what to do instead."""
+    checkpoint = {"pretraining": {"objective": "text infilling"},
+                  "hyper_parameters": {"cfg": compose("keyphrase", "sequential")}}
+    with pytest.raises(ConfigError) as err:
+        checkpoint_config(checkpoint, "pre.ckpt", [])
+    assert str(err.value) == (
+        "checkpoint pre.ckpt is a tasks.pretrain backbone (text infilling), trained for no task: "
+        "fit a decoder from it with `python -m tasks.fit --task TASK --decoder DECODER "
+        "train.init_from=pre.ckpt`, then test that fit's checkpoint")
+    del checkpoint["pretraining"]
+    assert checkpoint_config(checkpoint, "fit.ckpt", []).decoder.name == "sequential"
 
 
 class BackboneAtStart(Callback):
