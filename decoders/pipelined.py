@@ -39,8 +39,9 @@ calls per batch) is only a safety net: unset, it is the most steps the slots all
 (max_subsequences - 1) * delay + max_subsequence_length, so it never cuts anything by itself.
 
 Decoding is batched and cached: per call each example feeds its running subsequences' newest tokens,
-padded to the batch's largest count (B, R); the key/value cache grows by R columns per call, and the
-mask hides padding columns. Finished examples are dropped from the batch and the cache.
+padded to the batch's largest count (B, R); the key/value cache grows by R columns per call;
+padding columns lie in no query's past (`Grid`), so no mask is kept for them. Finished examples
+are dropped from the batch and the cache.
 """
 from __future__ import annotations
 
