@@ -1,11 +1,18 @@
-"""Where a decoder call's time goes at batch size 1: the model (encoder, decoder stack, output
-projection) vs the decoding loop's own bookkeeping, per decoder call, for trained checkpoints.
+"""Where a decoder's time goes at batch size 1, and the most its fewer calls can buy there.
 
     python results/per_call_split.py sequential=S.ckpt pipelined=P.ckpt [--examples 100]
 
-Decodes the first test examples one by one (one thread, denormals flushed, after a warm-up; median
-of 3 passes), timing the calls into `run_decoder`, `output_logits` and `encode` separately from the
-rest of `generate`. A CPU measurement: on a GPU the bookkeeping is queued kernel launches.
+Decodes the first test examples one by one (one thread, denormals flushed, after a warm-up; the
+median of 3 passes, the decoders interleaved in each pass), timing the encoder (`encode`, once per
+example), the decoder calls into the model (`run_decoder`, `output_logits`) and the rest of
+`generate` (the loop's own bookkeeping) separately.
+
+Against the first decoder (the reference, e.g. sequential) it prints each decoder's speedup and,
+as a share of its decoder-call ratio, beside a ceiling: the speedup it would have if each of its
+calls cost exactly what a reference call costs (model and loop). The encoder runs once per
+example whatever the decoder, so fewer calls cannot buy their full ratio: the ceiling is below
+100% by the encoder's share of the time. A CPU measurement: on a GPU the bookkeeping is queued
+kernel launches.
 """
 import argparse
 import statistics
@@ -26,43 +33,63 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)
 
-model_seconds = [0.0]
+seconds = {"encode": 0.0, "model": 0.0}
 
 
-def timed(function):
+def timed(function, part):
     def wrapper(*a, **k):
         started = time.perf_counter()
         try:
             return function(*a, **k)
         finally:
-            model_seconds[0] += time.perf_counter() - started
+            seconds[part] += time.perf_counter() - started
     return wrapper
 
 
 # every decoder module imported its own names from decoders.base: wrap them there (importing
 # `decoders` imported every decoder module, to register it)
 for module in [m for n, m in sys.modules.items() if n.startswith("decoders.") and n != "decoders.base"]:
-    for function in ("run_decoder", "output_logits", "encode"):
+    for function, part in (("run_decoder", "model"), ("output_logits", "model"), ("encode", "encode")):
         if hasattr(module, function):
-            setattr(module, function, timed(getattr(base, function)))
+            setattr(module, function, timed(getattr(base, function), part))
 
+decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
     checkpoint = load_checkpoint(path)
     built = restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
-    module = built.module.eval()
     examples = built.datamodule.dataset("test").examples[:args.examples]
-    singles = [built.datamodule.collate([e]) for e in examples]
+    decoders[name] = (built.module.eval(), [built.datamodule.collate([e]) for e in examples])
 
-    def one_pass():
-        model_seconds[0], calls, started = 0.0, 0, time.perf_counter()
-        with torch.inference_mode():
-            for batch in singles:
-                out = module.decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
-                calls += sum(out.decoder_calls)
-        return time.perf_counter() - started, model_seconds[0], calls
 
-    one_pass()
-    runs = [one_pass() for _ in range(3)]
-    total, model, calls = (statistics.median(r[i] for r in runs) for i in range(3))
-    print(f"{name}: {calls / len(singles):.1f} calls/example, per call {1e3 * total / calls:.2f} ms "
-          f"= model {1e3 * model / calls:.2f} ms + loop {1e3 * (total - model) / calls:.2f} ms")
+def one_pass(module, singles):
+    """(total, encode, model seconds, decoder calls) of decoding every example alone."""
+    seconds.update(encode=0.0, model=0.0)
+    calls, started = 0, time.perf_counter()
+    with torch.inference_mode():
+        for batch in singles:
+            out = module.decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
+            calls += sum(out.decoder_calls)
+    return time.perf_counter() - started, seconds["encode"], seconds["model"], calls
+
+
+for name, (module, singles) in decoders.items():
+    one_pass(module, singles)   # warm-up
+passes = [{name: one_pass(*decoder) for name, decoder in decoders.items()} for _ in range(3)]
+parts = {name: [statistics.median(p[name][i] for p in passes) for i in range(4)] for name in decoders}
+reference = next(iter(parts))
+ref_total, ref_encode, _, ref_calls = parts[reference]
+ref_per_call = (ref_total - ref_encode) / ref_calls     # a reference call: model and loop
+for name, (total, encode, model, calls) in parts.items():
+    examples = len(decoders[name][1])
+    loop = total - encode - model
+    line = (f"{name}: {calls / examples:.2f} calls/example, {1e3 * total / examples:.1f} ms/example "
+            f"= encoder {1e3 * encode / examples:.1f} + calls {1e3 * (total - encode) / examples:.1f}; "
+            f"per call {1e3 * (total - encode) / calls:.2f} ms = model {1e3 * model / calls:.2f} "
+            f"+ loop {1e3 * loop / calls:.2f}")
+    if name != reference:
+        ratio = ref_calls / calls
+        speedup = ref_total / total
+        ceiling = ref_total / (encode + calls * ref_per_call)
+        line += (f"; call ratio {ratio:.2f}, speedup {speedup:.2f}x ({speedup / ratio:.0%} of it), "
+                 f"ceiling at {reference}'s cost per call {ceiling:.2f}x ({ceiling / ratio:.0%})")
+    print(line)
