@@ -336,7 +336,8 @@ class LiveRows:
         kept = [row for row, d in enumerate(done) if not d]
         self.kept = kept
         if len(kept) < len(done):
-            keep = torch.tensor(kept, device=finished.device)   # host -> device: no wait
+            # right after the read-back nothing is queued, so this host -> device copy waits for nothing
+            keep = torch.tensor(kept, device=finished.device)
             self.index = self.index[keep]
             if cache is not None:
                 cache.batch_select_indices(keep)

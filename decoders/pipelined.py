@@ -264,6 +264,14 @@ class PipelinedDecoder(Decoder):
                 starts = (step + 1) % delay == 0 and (step + 1) // delay < slots
                 counts = [int(starts)] * len(counts)
                 continue
+            # the running columns (the first counts[b] of row b) get vocabulary logits: their indices
+            # come from the host-side counts, not from a `nonzero` that would wait. Made here, before
+            # this call's work is queued: on a GPU, a copy from the host waits for the queue.
+            if tuple(counts) not in columns:
+                columns[tuple(counts)] = (
+                    torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device),
+                    torch.tensor([c for n in counts for c in range(n)], device=device))
+            live, column = columns[tuple(counts)]
             # 2. each example's running slots, in subsequence order, then its others: R columns
             order = torch.argsort(slot_fields[:, 2], dim=1, stable=True)[:, :width]     # (B', R)
             order_fields = order[:, None].expand(-1, 3, -1)                              # (B', 3, R)
@@ -281,13 +289,7 @@ class PipelinedDecoder(Decoder):
                 key = Grid(keys[:, 1], keys[:, 2])
                 bias = attention_bias(table, key, key)
                 hidden = run_decoder(model, keys[:, 0], bias, encoder_states, attention_mask)[:, -width:]
-            # vocabulary logits only at the running columns (the first counts[b] of row b): their
-            # indices come from the host-side counts, not from a `nonzero` that would wait
-            if tuple(counts) not in columns:
-                columns[tuple(counts)] = (
-                    torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device),
-                    torch.tensor([c for n in counts for c in range(n)], device=device))
-            live, column = columns[tuple(counts)]
+            # vocabulary logits only at the running columns
             logits = output_logits(model, hidden[live, column])              # (n, vocab)
             emitted = token.index_put((live, column), logits.argmax(-1))     # (B', R); padding: stale
             batch_calls += 1
