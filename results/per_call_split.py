@@ -23,8 +23,7 @@ import torch
 
 import decoders.base as base
 from tasks.compare import parse_checkpoints
-from tasks.run import load_checkpoint
-from tasks.test import checkpoint_config, restore
+from tasks.test import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("checkpoints", nargs="+", metavar="NAME=PATH")
@@ -55,8 +54,7 @@ for module in [m for n, m in sys.modules.items() if n.startswith("decoders.") an
 
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
-    checkpoint = load_checkpoint(path)
-    built = restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
+    built = restore_as_trained(path)
     examples = built.datamodule.dataset("test").examples[:args.examples]
     decoders[name] = (built.module.eval(), [built.datamodule.collate([e]) for e in examples])
 

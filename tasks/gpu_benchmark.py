@@ -31,8 +31,8 @@ from lightning.pytorch.utilities import move_data_to_device
 from decoders.base import DecodeOutput, split_flat_output
 from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoints
 from tasks.config import ConfigError
-from tasks.run import load_checkpoint, log, main_guard, write_report
-from tasks.test import checkpoint_config, restore
+from tasks.run import log, main_guard, write_report
+from tasks.test import restore_as_trained
 
 CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
             "not GPU figures")
@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         log.warning(note)
     modules, datamodule = {}, None
     for name, path in paths.items():
-        checkpoint = load_checkpoint(path)
-        built = restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
+        built = restore_as_trained(path)
         modules[name] = built.module.to(device).eval()
         datamodule = datamodule or built.datamodule
     first = next(iter(modules.values()))

@@ -43,6 +43,13 @@ def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
                           f"{decoder!r} cannot decode it (use decoder={trained_decoder})")
 
 
+def restore_as_trained(path: str):
+    """`restore` of the checkpoint at `path` (loaded as data) with the configuration it was
+    trained with, overriding nothing: what decode-only benchmarks time."""
+    checkpoint = load_checkpoint(path)
+    return restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
+
+
 def restore(checkpoint: dict, path: str, cfg):
     """Data, model and decoder for `cfg` (from `checkpoint_config`), with the checkpoint's weights.
 
