@@ -90,8 +90,9 @@ def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
     (`Grid`), where -1 stands for every key of a later subsequence; dj = qj - kj in
     -offsets..offsets): T5's bias of the Manhattan distance di + |dj| (`distance_bias[d]`,
     `base.past_distance_bias_table`) where the key is visible (di >= 0 and its time ki*d + kj <=
-    the query's, i.e. di*d + dj >= 0), and the dtype's lowest value where it is not. `distance_bias` must reach padding_index + offsets: a
-    table too short for some distance fails here, rather than bias it as a nearer one."""
+    the query's, i.e. di*d + dj >= 0), and the dtype's lowest value where it is not.
+    `distance_bias` must reach padding_index + offsets: a table too short for some distance fails
+    here, rather than bias it as a nearer one."""
     di = torch.arange(-1, padding_index + 1, device=distance_bias.device)[:, None]   # (I, 1)
     dj = torch.arange(-offsets, offsets + 1, device=distance_bias.device)[None, :]   # (1, J)
     visible = (di >= 0) & (di * delay + dj >= 0)                                     # (I, J)
