@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from datamodules import tokenizer as tok
 from datamodules.schema import DataError, has_source, schema_for, target_texts
 from datamodules.sources import SPLITS, load_split
-from decoders.base import pad_batch
+from datamodules.vocabulary import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class DataReport:
         return bool(self.sources_truncated or self.subsequences_truncated or self.subsequences_dropped)
 
 
-class _Split(Dataset):
+class EncodedSplit(Dataset):
+    """One split's encoded examples, as a map-style dataset for a DataLoader."""
+
     def __init__(self, examples: list[Encoded]):
         self.examples = examples
 
@@ -179,9 +181,9 @@ class SubsequenceDataModule(L.LightningDataModule):
     def collate(self, examples: list[Encoded]) -> dict:
         return collate(examples, self.tokenizer.pad_token_id)
 
-    def dataset(self, split: str) -> _Split:
+    def dataset(self, split: str) -> EncodedSplit:
         self.setup()
-        return _Split(self._encoded[split])
+        return EncodedSplit(self._encoded[split])
 
     def _loader(self, split: str, batch_size: int, sampler: Sampler) -> DataLoader:
         return loader(self.dataset(split), batch_size, sampler, self.collate, self.data.num_workers,

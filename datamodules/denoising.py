@@ -1,4 +1,4 @@
-"""Denoising data for pretraining (`tasks.pretrain`): the source texts of JSONL folders, corrupted by
+"""Denoising data for pretraining (`tasks.experiments.pretrain`): the source texts of JSONL folders, corrupted by
 text infilling, with the original text as the target.
 
 Why infilling (BART's objective, Lewis et al. 2020): the tasks copy. Present keyphrases and answer
@@ -47,7 +47,7 @@ from datamodules import tokenizer as tok
 from datamodules.datamodule import (
     Encoded,
     EvaluationShard,
-    _Split,
+    EncodedSplit,
     collate,
     loader,
     process_group,
@@ -228,6 +228,6 @@ class DenoisingDataModule(L.LightningDataModule):
 
     def val_dataloader(self):
         self.setup()
-        return loader(_Split(self.validation), self.eval_batch_size,
+        return loader(EncodedSplit(self.validation), self.eval_batch_size,
                       EvaluationShard(len(self.validation)), self._collate, self.data.num_workers,
                       self.seed)

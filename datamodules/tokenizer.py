@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from decoders.base import SpecialTokens
+from datamodules.vocabulary import SpecialTokens
 
 log = logging.getLogger(__name__)
 

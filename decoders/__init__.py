@@ -1,16 +1,20 @@
 """Decoder registry: the only list of decoder names in the library.
 
+    # decoders/mydecoder.py
     @register("mydecoder")
     class MyDecoder(Decoder): ...
 
-Registering a name twice is an error. `build_decoder("name", ...)` instantiates one. Every module of
-this package is imported below, so a new file in `decoders/` registers its decoder by being there.
+A decoder of this package is registered under its module's name, the name a user types after
+`--decoder`; registering a name twice, or under another name than the module's, is an error.
+`build_decoder("name", ...)` instantiates one. Every module of this package is imported below, so
+a new file in `decoders/` registers its decoder by being there.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from decoders.base import DecodeOutput, Decoder, SpecialTokens
+from datamodules.vocabulary import SpecialTokens
+from decoders.base import DecodeOutput, Decoder
 
 _REGISTRY: dict[str, type[Decoder]] = {}
 
@@ -22,6 +26,11 @@ def register(name: str) -> Callable[[type[Decoder]], type[Decoder]]:
                              f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
         if not (isinstance(cls, type) and issubclass(cls, Decoder)):
             raise TypeError(f"@register({name!r}) must decorate a subclass of decoders.base.Decoder")
+        package, _, module = cls.__module__.rpartition(".")
+        if package == __name__ and module != name:
+            raise ValueError(f"{cls.__module__}.{cls.__qualname__} is registered as {name!r}; a "
+                             f"decoder of this package is registered under its module's name, "
+                             f"{module!r}")
         cls.name = name
         cls.layout_family = cls.__dict__.get("layout_family") or name
         _REGISTRY[name] = cls
@@ -47,8 +56,7 @@ def _import_all_decoder_modules() -> None:
     import importlib
     import pkgutil
     for module in pkgutil.iter_modules(__path__):
-        if module.name != "base":
-            importlib.import_module(f"{__name__}.{module.name}")
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 _import_all_decoder_modules()

@@ -53,9 +53,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens,
-                           at_least_float32, encode, gather_self_attention_cache, new_cache,
-                           output_logits, past_distance_bias_table, run_decoder, split_flat_output)
+from datamodules.vocabulary import Range, SpecialTokens
+from decoders.backbone import (at_least_float32, encode, gather_self_attention_cache, new_cache,
+                               output_logits, past_distance_bias_table, run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 from decoders.sequential import SequentialDecoder
 
 

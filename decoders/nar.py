@@ -60,9 +60,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (masked_mean, DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
-                           hidden_mask, output_logits, pad_batch, relative_position_bias,
-                           run_decoder, split_flat_output)
+from datamodules.vocabulary import pad_batch, Range, SpecialTokens
+from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
+                               relative_position_bias, run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import split_flat_output
 from decoders.sequential import join_subsequences
 
 

@@ -50,10 +50,11 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from decoders.base import (NOT_PRODUCED, Choice, DecodeOutput, Decoder, LiveRows, Range,
-                           SpecialTokens, encode, gather_self_attention_cache, new_cache,
-                           output_logits, pad_batch, past_distance_bias_table, read_back,
-                           run_decoder)
+from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
+from decoders.backbone import (encode, gather_self_attention_cache, new_cache, output_logits,
+                               past_distance_bias_table, run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import LiveRows, NOT_PRODUCED, read_back
 
 # slot states in decoding; RUNNING sorts first, so a stable argsort of the states lists an
 # example's running slots first, in subsequence order

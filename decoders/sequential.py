@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from decoders import register
-from decoders.base import (NOT_PRODUCED, DecodeOutput, Decoder, LiveRows, Range, SpecialTokens,
-                           encode, new_cache, output_logits, pad_batch, past_distance_bias_table,
-                           run_decoder, split_flat_output)
+from datamodules.vocabulary import pad_batch, Range, SpecialTokens
+from decoders.backbone import (encode, new_cache, output_logits, past_distance_bias_table,
+                               run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 
 
 def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list[int]:

@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from decoders.base import Range
+from datamodules.vocabulary import Range
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -286,7 +286,7 @@ def _check_values(cfg: DictConfig) -> None:
     from decoders import decoder_class
     if cfg.task.name not in TASKS:
         raise ConfigError(f"unknown task {cfg.task.name!r}; allowed: {', '.join(TASKS)}")
-    from decoders.base import STRUCTURED_ATTENTION
+    from decoders.backbone import STRUCTURED_ATTENTION
     if cfg.model.attn_implementation not in STRUCTURED_ATTENTION:
         raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation!r}; allowed: "
                           f"{', '.join(STRUCTURED_ATTENTION)}")

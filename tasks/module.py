@@ -46,7 +46,7 @@ def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
 def subsequence_texts(tokenizer, subsequences: list[list[list[int]]]) -> list[list[str]]:
     """Per example, its subsequences' token ids as the text the metrics score: each decoded without
     special tokens and stripped, the empty ones dropped. Anything scored beside the decoders'
-    outputs (tasks.baselines) goes through this too."""
+    outputs (tasks.experiments.baselines) goes through this too."""
     texts = [[tokenizer.decode(sub, skip_special_tokens=True).strip() for sub in subs]
              for subs in subsequences]
     return [[text for text in subs if text] for subs in texts]
@@ -96,7 +96,7 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
 class BackboneTraining(L.LightningModule):
     """A backbone trained with a decoder plug-in's layout and loss, whose checkpoints carry what
     rebuilds it (tokenizer, architecture, configuration): the training half of every task module,
-    and all of `tasks.pretrain`'s denoising module."""
+    and all of `tasks.experiments.pretrain`'s denoising module."""
 
     def __init__(self, cfg: DictConfig, backbone, decoder: Decoder, tokenizer):
         super().__init__()

@@ -63,7 +63,7 @@ def build(cfg: DictConfig, stored: StoredModel = StoredModel(), datamodule=None,
           module_class=None) -> Built:
     """Data (records, tokenizer, encoded splits), then the backbone, the decoder and the task module;
     the tokenizer and the backbone's architecture come from `stored` where it has them.
-    `datamodule` and `module_class` stand in for the task's (`tasks.pretrain`'s denoising ones)."""
+    `datamodule` and `module_class` stand in for the task's (`tasks.experiments.pretrain`'s denoising ones)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if datamodule is None:
         datamodule = SubsequenceDataModule(cfg, tokenizer=stored.tokenizer)
@@ -210,7 +210,7 @@ def check_trainer(cfg: DictConfig) -> L.Trainer:
 def decode_device(cfg: DictConfig) -> torch.device:
     """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
     first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
-    timing, tasks.distill) decode. Lightning's test teardown moves the module back to the CPU, so
+    timing, tasks.experiments.distill) decode. Lightning's test teardown moves the module back to the CPU, so
     they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
     its checks (`check_trainer`)."""
     return check_trainer(cfg).strategy.root_device
@@ -302,7 +302,7 @@ def log_dataset_inputs(logger: MLFlowLogger, datasets: list[tuple[object, str]])
 def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built) -> None:
     """Decode and score the test split with an already-trained module; params, the test split as
     dataset input, metrics, config and predictions go to `logger`'s run."""
-    with run_status(logger, _ExceptionWatcher()):  # the run exists from the first log on
+    with run_status(logger, ExceptionWatcher()):  # the run exists from the first log on
         log_params(logger, cfg, built.datamodule, ("test",))
         make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
         log_artifacts(logger, cfg, built.module.prediction_rows("test"))
@@ -331,7 +331,7 @@ class BestCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(tie)
 
 
-class _ExceptionWatcher(Callback):
+class ExceptionWatcher(Callback):
     """Remembers the exception the trainer saw: Lightning turns Ctrl-C into `SystemExit`."""
 
     exception: BaseException | None = None
@@ -341,7 +341,7 @@ class _ExceptionWatcher(Callback):
 
 
 @contextmanager
-def run_status(logger: MLFlowLogger, watcher: _ExceptionWatcher):
+def run_status(logger: MLFlowLogger, watcher: ExceptionWatcher):
     """Marks the MLflow run KILLED on Ctrl-C and FAILED on any other error, with the error message
     as the run's `error` tag, then lets the error go on. (A run killed by a signal that cannot be
     caught stays RUNNING; `tasks.fit --resume` takes it up like a failed one.)"""
@@ -502,7 +502,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     # The MLflow run is created here, once the data and the model are known to be good; on other
     # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
     run_id = logger.run_id
-    watcher = _ExceptionWatcher()
+    watcher = ExceptionWatcher()
     # From here on the run exists: any failure, a trainer that cannot be built included, marks it
     with run_status(logger, watcher):
         if resume is not None and rank_zero_only.rank == 0:

@@ -18,8 +18,8 @@ from tasks.run import (base_parser, build, check_trainer, default_run_name, load
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
-    if "pretraining" in checkpoint:   # written by tasks.pretrain: a backbone, trained for no task
-        raise ConfigError(f"checkpoint {path} is a tasks.pretrain backbone "
+    if "pretraining" in checkpoint:   # written by tasks.experiments.pretrain: a backbone, trained for no task
+        raise ConfigError(f"checkpoint {path} is a tasks.experiments.pretrain backbone "
                           f"({checkpoint['pretraining'].get('objective', 'denoising')}), trained for "
                           f"no task: fit a decoder from it with `python -m tasks.fit --task TASK "
                           f"--decoder DECODER train.init_from={path}`, then test that fit's checkpoint")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from decoders.base import encode, hidden_mask, new_cache, run_decoder
-from tasks.sync_points import bounded
+from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
+from tasks.bench.sync_points import bounded
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
 pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py

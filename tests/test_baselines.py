@@ -1,10 +1,10 @@
-"""`tasks.baselines`: lead-3 and the constant summary, scored as the decoders' outputs are."""
+"""`tasks.experiments.baselines`: lead-3 and the constant summary, scored as the decoders' outputs are."""
 import json
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks import baselines
+from tasks.experiments import baselines
 from tasks.config import ConfigError
 from tasks.metrics import Rouge
 from tests.test_end_to_end import tracking

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 import decoders.blockwise as blockwise_module
 from decoders import available, build_decoder, decoder_class
-from decoders.base import NOT_PRODUCED, Decoder, output_logits
+from decoders.backbone import output_logits
+from decoders.base import Decoder
+from decoders.loop import NOT_PRODUCED
 from decoders.blockwise import accepted_length, block_output
-from tasks.sync_points import counting_sync_points
+from tasks.bench.sync_points import counting_sync_points
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 

@@ -96,7 +96,8 @@ def test_decoder_specific_override_goes_to_its_decoder_only():
 def test_gpu_benchmark_runs_on_the_cpu_with_a_note(tmp_path):
     """The accelerator script, exercised where there is none: the same code path on the CPU, with
     the note saying so, one row per checkpoint and batch size."""
-    from tasks import fit, gpu_benchmark
+    from tasks import fit
+    from tasks.bench import gpu_benchmark
     paths = {name: fit.main(["--decoder", name, *TINY, *tracking(tmp_path)])["checkpoint"]
              for name in ("sequential", "pipelined")}
     out = tmp_path / "bench.json"

@@ -1,9 +1,9 @@
-"""`tasks.data_stats`: the lengths the data limits are set from, counted as the limits count them."""
+"""`tasks.experiments.data_stats`: the lengths the data limits are set from, counted as the limits count them."""
 import json
 
 import pytest
 
-from tasks import data_stats
+from tasks.experiments import data_stats
 from tests.test_data import KP, write_split
 
 

@@ -1,4 +1,4 @@
-"""Decoding outside a trainer (tasks.compare's timing, tasks.distill) runs on the configured device,
+"""Decoding outside a trainer (tasks.compare's timing, tasks.experiments.distill) runs on the configured device,
 which the results record; CPU timing flushes denormal floats.
 
 No GPU is needed: `meta`, a device other than the CPU, stands in for the resolved accelerator, and a
@@ -10,7 +10,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import tasks.module
-from tasks import compare, distill
+from tasks import compare
+from tasks.experiments import distill
 from tasks.config import ConfigError, compose
 from tasks.run import Trained, build, decode_device, make_trainer, open_tracking, score_into_run
 from tests.test_end_to_end import TINY, tracking
@@ -98,7 +99,7 @@ def test_compare_flushes_denormals_while_timing_on_a_cpu(tmp_path, monkeypatch):
 
 
 class FirstDecode(Exception):
-    """Stops tasks.distill at its first decode: where that runs is all the test needs."""
+    """Stops tasks.experiments.distill at its first decode: where that runs is all the test needs."""
 
 
 def test_distill_decodes_on_the_resolved_device(tmp_path, monkeypatch):

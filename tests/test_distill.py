@@ -1,11 +1,12 @@
-"""tasks.distill: the teacher's decoded outputs become the training targets of a jsonl dataset."""
+"""tasks.experiments.distill: the teacher's decoded outputs become the training targets of a jsonl dataset."""
 import json
 from pathlib import Path
 
 import pytest
 
 from datamodules.sources import load_split
-from tasks import distill, fit
+from tasks import fit
+from tasks.experiments import distill
 from tasks.config import ConfigError, compose
 from tasks.run import build, load_checkpoint
 from tasks.test import checkpoint_config, restore

@@ -429,7 +429,8 @@ def test_a_file_without_the_library_keys_is_not_a_checkpoint(content, tmp_path, 
 ])
 def test_bad_comparison_arguments_fail_before_any_work(entry, argv, message, tmp_path, monkeypatch,
                                                        capsys):
-    from tasks import compare, reference_calls
+    from tasks import compare
+    from tasks.experiments import reference_calls
     module = {"compare": compare, "reference_calls": reference_calls}[entry]
     stderr = fails_before_any_work(module, [*argv, *TINY, *tracking(tmp_path)], tmp_path,
                                    monkeypatch, capsys)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import decoders.nar as nar
 from decoders import build_decoder
-from decoders.base import encode, hidden_mask, output_logits, relative_position_bias, run_decoder
+from decoders.backbone import (encode, hidden_mask, output_logits, relative_position_bias,
+                               run_decoder)
 from decoders.sequential import join_subsequences
 from tasks.config import compose
 from transformers import T5Config
@@ -138,7 +139,7 @@ def test_calls_for_output_with_several_candidates_is_none_where_the_model_decide
 def test_host_syncs_do_not_grow_with_iterations():
     """One read-back of the candidate lengths before decoding, one of the results after, whatever T
     (the encoder's own syncs, inside transformers, counted apart)."""
-    from tasks.sync_points import counting_sync_points
+    from tasks.bench.sync_points import counting_sync_points
     model = tiny_t5(0)
     input_ids, attention_mask = random_batch(4, seed=2)
     with torch.no_grad(), counting_sync_points() as encoder_only:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from tasks.sync_points import bounded
+from tasks.bench.sync_points import bounded
 from tests.conftest import SPECIAL, briefly_trained, random_batch, tiny_t5
 
 pytestmark = pytest.mark.float64  # trained in float64 (the same model on every CPU), then cast

@@ -1,4 +1,4 @@
-"""`tasks.pretrain`: the infilling corruption by hand, the denoising data, and the command end to end
+"""`tasks.experiments.pretrain`: the infilling corruption by hand, the denoising data, and the command end to end
 into `tasks.fit ... train.init_from=` (slow)."""
 import json
 from pathlib import Path
@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from datamodules.denoising import DenoisingDataModule, example_rng, infill
 from datamodules.schema import DataError
 from datamodules.tokenizer import serialize
-from tasks import pretrain
+from tasks.experiments import pretrain
 from tasks.config import ConfigError, compose
 from tasks.run import load_checkpoint, train_and_test
 from tasks.test import checkpoint_config
@@ -139,7 +139,7 @@ def test_a_pretraining_checkpoint_is_refused_where_a_task_checkpoint_is_needed()
     with pytest.raises(ConfigError) as err:
         checkpoint_config(checkpoint, "pre.ckpt", [])
     assert str(err.value) == (
-        "checkpoint pre.ckpt is a tasks.pretrain backbone (text infilling), trained for no task: "
+        "checkpoint pre.ckpt is a tasks.experiments.pretrain backbone (text infilling), trained for no task: "
         "fit a decoder from it with `python -m tasks.fit --task TASK --decoder DECODER "
         "train.init_from=pre.ckpt`, then test that fit's checkpoint")
     del checkpoint["pretraining"]

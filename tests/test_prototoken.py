@@ -3,7 +3,7 @@
 Decoder: one decoder call per batch, alone == in a batch, the loss equals T5's own forward on the
 proto-token input embeddings, a position's output does not depend on the output width (causal),
 the backbone gets no gradient and stays bit-identical under training, checkpoint compatibility.
-Experiment (`tasks.prototokens`): optimised proto-tokens reconstruct short targets exactly, and the
+Experiment (`tasks.experiments.prototokens`): optimised proto-tokens reconstruct short targets exactly, and the
 accuracy it reports is the argmax agreement that T5's own forward gives; end to end (slow), JSON,
 plot and MLflow run. End to end (slow): `tasks.fit --decoder onestep train.init_from=<sequential>`.
 """
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from decoders import build_decoder, decoder_class
-from decoders.base import split_flat_output
-from decoders.prototoken import one_pass_logits
-from tasks import prototokens
+from decoders.loop import split_flat_output
+from decoders.onestep import one_pass_logits
+from tasks.experiments import prototokens
 from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 

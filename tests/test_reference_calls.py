@@ -1,10 +1,10 @@
-"""`tasks.reference_calls`: decoder calls needed to produce the references, counted without a model."""
+"""`tasks.experiments.reference_calls`: decoder calls needed to produce the references, counted without a model."""
 import json
 
 import pytest
 
 from datamodules.datamodule import SubsequenceDataModule
-from tasks import reference_calls
+from tasks.experiments import reference_calls
 from tasks.config import ConfigError, compose
 from tests.test_end_to_end import TINY, tracking
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from decoders import build_decoder
-from decoders.base import split_on
+from decoders.loop import split_on
 from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 

@@ -1,4 +1,4 @@
-"""Host-device synchronisation points (`tasks.sync_points`): at most one per decoder call for every
+"""Host-device synchronisation points (`tasks.bench.sync_points`): at most one per decoder call for every
 registered decoder, plus two per decode (transformers' encoder reads its mask back once; the results
 are read back once at the end). On a GPU each is a stall of the whole queue."""
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from tasks import sync_points
+from tasks.bench import sync_points
 
 
 @pytest.fixture(scope="module")

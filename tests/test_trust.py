@@ -9,7 +9,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tasks import compare, distill, fit, test as test_entry
+from tasks import compare, fit, test as test_entry
+from tasks.experiments import distill
 from tasks.config import ConfigError
 from tests.test_end_to_end import TINY, tracking
 
@@ -67,7 +68,7 @@ ENTRY_POINTS = {
     "tasks.test --ckpt": lambda path, tmp: test_entry.main(["--ckpt", str(path), *tracking(tmp)]),
     "tasks.compare --ckpt": lambda path, tmp: compare.main(
         ["--decoders", "sequential", "--ckpt", f"sequential={path}", *TINY, *tracking(tmp)]),
-    "tasks.distill --ckpt": lambda path, tmp: distill.main(
+    "tasks.experiments.distill --ckpt": lambda path, tmp: distill.main(
         ["--ckpt", str(path), "--out", str(tmp / "distilled"), *tracking(tmp)]),
     "train.init_from": lambda path, tmp: fit.main([f"train.init_from={path}", *TINY, *tracking(tmp)]),
     "--resume": lambda path, tmp: fit.main([*resume_store_with(tmp, path), *TINY, *tracking(tmp)]),

@@ -1,6 +1,6 @@
 """ROUGE of two summarization reference points, scored exactly as the trained decoders' outputs are.
 
-    python -m tasks.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \\
+    python -m tasks.experiments.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \\
         [--out results/cnndm_baselines.json] [key=value ...]
 
 On the test split (its first data.max_eval_examples, if set), two summaries that need no model:
@@ -49,7 +49,7 @@ from tasks.config import ConfigError, compose, to_yaml
 from tasks.metrics import Rouge
 from tasks.module import subsequence_texts
 from tasks.run import (
-    _ExceptionWatcher,
+    ExceptionWatcher,
     base_parser,
     check_tracking,
     log_artifacts,
@@ -111,7 +111,7 @@ def config(task: str, config_file: str | None, overrides: list[str]) -> DictConf
     """The composed configuration, for `task` only (checked first: compose would name every task
     as allowed). As in every entry point, --task wins over a `task=` override."""
     if task != TASK:
-        raise ConfigError(f"tasks.baselines has baselines for one task, {TASK}; got task {task!r} "
+        raise ConfigError(f"tasks.experiments.baselines has baselines for one task, {TASK}; got task {task!r} "
                           f"(allowed: {TASK})")
     return compose(task, None, config_file, overrides)
 
@@ -150,7 +150,7 @@ def log_row(cfg: DictConfig, datamodule: SubsequenceDataModule, row: dict, defin
     logger = open_tracking(cfg, f"{row['label']} {cfg.model.name} {cfg.data.source}",
                            tags={"role": "baseline", "baseline": row["baseline"],
                                  "cut_to_data_limits": str(row["cut_to_data_limits"]).lower()})
-    with run_status(logger, _ExceptionWatcher()):  # the run exists from the first log on
+    with run_status(logger, ExceptionWatcher()):  # the run exists from the first log on
         log_params(logger, cfg, datamodule, ("train", SPLIT))  # train: the constant's source
         logger.log_hyperparams({f"baseline.{key}": value for key, value in definition.items()
                                 if key != "summary"}

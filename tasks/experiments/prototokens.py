@@ -1,6 +1,6 @@
 """How much can a frozen decoder write in ONE pass? Proto-token reconstruction on a trained checkpoint.
 
-    python -m tasks.prototokens --ckpt CKPT [--texts 16] [--lengths 1,2,4,8,16,32,64]
+    python -m tasks.experiments.prototokens --ckpt CKPT [--texts 16] [--lengths 1,2,4,8,16,32,64]
         [--arrangement e-m,e-e,e-m-alternating] [--share none|m|e] [--context with,without]
         [--restarts 3] [--iterations 5000] [--lr 0.1] [--weight-decay 0.01] [--split test]
         [--seed 0] [--out prototokens.json] [key=value ...]
@@ -51,11 +51,12 @@ import torch.nn.functional as F
 
 from datamodules.tokenizer import special_tokens
 from decoders import decoder_class
-from decoders.base import at_least_float32, encode, pad_batch
-from decoders.prototoken import one_pass_logits, with_frozen_weights
+from datamodules.vocabulary import pad_batch
+from decoders.backbone import at_least_float32, encode
+from decoders.onestep import one_pass_logits, with_frozen_weights
 from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
-from tasks.run import (_ExceptionWatcher, base_parser, decode_device, load_checkpoint, log,
+from tasks.run import (ExceptionWatcher, base_parser, decode_device, load_checkpoint, log,
                        log_params, main_guard, open_tracking, run_status)
 from tasks.test import checkpoint_config, restore
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     trained = checkpoint.get("decoder_name", checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"])
     if not decoder_class("sequential").can_decode_checkpoint_of(decoder_class(trained)):
         raise ConfigError(f"checkpoint {args.ckpt} was trained with decoder {trained!r}, whose "
-                          f"backbone is not of the sequential layout that tasks.prototokens "
+                          f"backbone is not of the sequential layout that tasks.experiments.prototokens "
                           f"reconstructs with")
     # the backbone as the sequential decoder has it (other decoders' modules are not needed)
     cfg = checkpoint_config(checkpoint, args.ckpt, [*args.overrides, "decoder=sequential"], args.config)
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     image = out.with_suffix(".png")
     plot(results, image, f"{cfg.task.name}, {cfg.model.name}, {args.split} split, share {args.share}, "
                          f"best of {args.restarts}, {args.iterations} iterations")
-    with run_status(logger, _ExceptionWatcher()):  # the MLflow run exists from the first log on
+    with run_status(logger, ExceptionWatcher()):  # the MLflow run exists from the first log on
         log_params(logger, cfg, built.datamodule, (args.split,))
         logger.log_hyperparams({f"prototokens.{k}": v for k, v in settings.items()})
         for r in results:

@@ -2,30 +2,30 @@
 # The commands behind the README's "Results" tables (CPU; THREADS=N sets the torch threads, default 2).
 # Run from the repository root:
 #
-#   results/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
-#   results/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
-#   results/run_benchmarks.sh qa                 # the same on built-in multi-span QA
-#   results/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
-#   results/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
-#   results/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
-#   results/run_benchmarks.sh cnndm              # real text: sequential, pipelined, blockwise trained on
+#   tasks/bench/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
+#   tasks/bench/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
+#   tasks/bench/run_benchmarks.sh qa                 # the same on built-in multi-span QA
+#   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
+#   tasks/bench/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
+#   tasks/bench/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
+#   tasks/bench/run_benchmarks.sh cnndm              # real text: sequential, pipelined, blockwise trained on
 #                                                # ../shared/data/cnndm, 35 minutes of training per decoder
-#   results/run_benchmarks.sh pretrain           # tasks.pretrain on the four ../shared/data text folders
-#   results/run_benchmarks.sh kp20k-pretrained C # sequential and pipelined fitted on kp20k from
+#   tasks/bench/run_benchmarks.sh pretrain           # tasks.experiments.pretrain on the four ../shared/data text folders
+#   tasks/bench/run_benchmarks.sh kp20k-pretrained C # sequential and pipelined fitted on kp20k from
 #                                                # pretrained checkpoint C (train.init_from)
-#   results/run_benchmarks.sh delay-sweep TASK [S] # the paper's delay study: one pipelined model per
+#   tasks/bench/run_benchmarks.sh delay-sweep TASK [S] # the paper's delay study: one pipelined model per
 #                                                # delay 1-4 on built-in TASK data, with quality and
 #                                                # speedup against delay (*_vs_delay.png)
-#   results/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
-#   results/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
+#   tasks/bench/run_benchmarks.sh delay2 S           # pipelined with delay 2 against sequential checkpoint S
+#   tasks/bench/run_benchmarks.sh blockwise-frozen S # blockwise heads trained on sequential checkpoint S,
 #                                                # its backbone frozen (train.init_from)
-#   results/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
+#   tasks/bench/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
-#   results/run_benchmarks.sh onestep TASK S     # the one-call decoders (nar with 1 iteration, onestep
+#   tasks/bench/run_benchmarks.sh onestep TASK S     # the one-call decoders (nar with 1 iteration, onestep
 #                                                # on S's frozen backbone) beside sequential checkpoint S
-#   results/run_benchmarks.sh prototokens TASK S # Mezentsev & Oseledets' proto-token experiment on S
+#   tasks/bench/run_benchmarks.sh prototokens TASK S # Mezentsev & Oseledets' proto-token experiment on S
 #                                                # (CPU-sized: 8 texts, 2 restarts, 1000 iterations)
-#   results/run_benchmarks.sh stop-rule TASK S P # pipelined checkpoint P decoded under both stopping
+#   tasks/bench/run_benchmarks.sh stop-rule TASK S P # pipelined checkpoint P decoded under both stopping
 #                                                # rules beside sequential checkpoint S (no training)
 #
 # Every run trains with the same default budget (t5-tiny, 10 epochs, seed 42) and times the decoders
@@ -45,11 +45,11 @@ case "${1:-}" in
             $SPEED data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 \
             --out results/kp20k.json ;;
     cnndm-calls)  # long limits: no reference is cut
-        python -m tasks.reference_calls --task summarization --decoders sequential,pipelined,nar \
+        python -m tasks.experiments.reference_calls --task summarization --decoders sequential,pipelined,nar \
             --sweep decoder.delay=1,2 data=jsonl data.path=../shared/data/cnndm \
             data.max_target_length=1024 data.max_subsequences=64 --out results/cnndm_reference_calls.json ;;
     cnndm-baselines)
-        python -m tasks.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \
+        python -m tasks.experiments.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \
             --out results/cnndm_baselines.json ;;
     cnndm)  # cnndm.yaml's limits (data=jsonl gets the defaults), source cut to 320 tokens, a time budget
         python -m tasks.compare --task summarization --decoders sequential,pipelined,blockwise \
@@ -59,11 +59,11 @@ case "${1:-}" in
             data.max_subsequence_length=64 data.max_eval_examples=200 \
             trainer.max_epochs=40 trainer.max_time=00:00:35:00 --out results/cnndm.json ;;
     pretrain)  # 2000 texts per folder at most, cut to 127 tokens, 8 epochs
-        python -m tasks.pretrain \
+        python -m tasks.experiments.pretrain \
             --data ../shared/data/cnndm,../shared/data/kp20k,../shared/data/pubmed,../shared/data/multispanqa \
             data.max_train_examples=2000 data.max_eval_examples=100 data.max_target_length=128 \
             trainer.max_epochs=8 trainer.enable_progress_bar=false --out mlruns/pretrained/t5-tiny-denoiser.ckpt ;;
-    kp20k-pretrained)  # C: a tasks.pretrain checkpoint; compare with the kp20k entry (random init)
+    kp20k-pretrained)  # C: a tasks.experiments.pretrain checkpoint; compare with the kp20k entry (random init)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined $SPEED \
             data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 train.init_from="$2" \
             --out results/kp20k_pretrained.json ;;
@@ -74,10 +74,10 @@ case "${1:-}" in
         python -m tasks.compare --task keyphrase --decoders sequential,blockwise --ckpt "sequential=$2" \
             "train.init_from=$2" decoder.freeze_backbone=true $SPEED \
             --out results/builtin_keyphrase_blockwise_frozen.json ;;
-    nar-distilled)  # NAR trained on the sequential model's outputs (tasks.distill); S is that model
-        # one folder per teacher (tasks.distill never overwrites one): a rerun reuses it
+    nar-distilled)  # NAR trained on the sequential model's outputs (tasks.experiments.distill); S is that model
+        # one folder per teacher (tasks.experiments.distill never overwrites one): a rerun reuses it
         DISTILLED=".cache/distilled/builtin_keyphrase_$(sha1sum "$2" | cut -c1-12)"
-        [ -d "$DISTILLED" ] || python -m tasks.distill --ckpt "$2" --out "$DISTILLED"
+        [ -d "$DISTILLED" ] || python -m tasks.experiments.distill --ckpt "$2" --out "$DISTILLED"
         # sequential is trained on the distilled data too (a --ckpt of S would be refused: other data)
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
             data=jsonl data.path="$DISTILLED" --out results/builtin_keyphrase_nar_distilled.json ;;
@@ -86,9 +86,9 @@ case "${1:-}" in
             --sweep decoder.iterations=1 $SPEED --out "results/builtin_$2_onestep.json" ;;
     prototokens)
         EXPERIMENT="--ckpt $3 --texts 8 --restarts 2 --iterations 1000 --lengths 1,2,4,8,16,32 --context with,without"
-        python -m tasks.prototokens $EXPERIMENT --arrangement e-m,e-e,e-m-alternating,m-e \
+        python -m tasks.experiments.prototokens $EXPERIMENT --arrangement e-m,e-e,e-m-alternating,m-e \
             --out "results/prototokens_$2.json"
-        python -m tasks.prototokens $EXPERIMENT --arrangement e-m --share m \
+        python -m tasks.experiments.prototokens $EXPERIMENT --arrangement e-m --share m \
             --out "results/prototokens_$2_share_m.json" ;;
     stop-rule)  # decode-time option: both rules on the same trained pipelined model
         python -m tasks.compare --task "$2" --decoders sequential,pipelined --ckpt "sequential=$3" \

@@ -1,6 +1,6 @@
 """Distilled training data: a trained model's outputs on the training split become its targets.
 
-    python -m tasks.distill --ckpt TEACHER.ckpt --out DIR [key=value ...]
+    python -m tasks.experiments.distill --ckpt TEACHER.ckpt --out DIR [key=value ...]
     python -m tasks.fit --decoder nar --task keyphrase data=jsonl data.path=DIR
 
 Sequence-level knowledge distillation (Kim & Rush 2016, "Sequence-Level Knowledge Distillation"):

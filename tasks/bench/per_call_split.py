@@ -1,6 +1,6 @@
 """Where a decoder's time goes at batch size 1, and the most its fewer calls can buy there.
 
-    python results/per_call_split.py sequential=S.ckpt pipelined=P.ckpt [--examples 100]
+    python -m tasks.bench.per_call_split sequential=S.ckpt pipelined=P.ckpt [--examples 100]
 
 Decodes the first test examples one by one (one thread, denormals flushed, after a warm-up; the
 median of 3 passes, the decoders interleaved in each pass), timing the encoder (`encode`, once per
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import decoders.base as base
+import decoders.backbone as backbone
 from tasks.compare import parse_checkpoints
 from tasks.test import restore_as_trained
 
@@ -45,12 +45,12 @@ def timed(function, part):
     return wrapper
 
 
-# every decoder module imported its own names from decoders.base: wrap them there (importing
+# every decoder module imported its own names from decoders.backbone: wrap them there (importing
 # `decoders` imported every decoder module, to register it)
-for module in [m for n, m in sys.modules.items() if n.startswith("decoders.") and n != "decoders.base"]:
+for module in [m for n, m in sys.modules.items() if n.startswith("decoders.") and n != "decoders.backbone"]:
     for function, part in (("run_decoder", "model"), ("output_logits", "model"), ("encode", "encode")):
         if hasattr(module, function):
-            setattr(module, function, timed(getattr(base, function), part))
+            setattr(module, function, timed(getattr(backbone, function), part))
 
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():

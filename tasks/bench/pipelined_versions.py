@@ -1,11 +1,11 @@
 """The pipelined decoding loop of an earlier commit against today's, timed side by side with
 sequential, on the same trained checkpoints: what a change of the loop bought.
 
-    python results/pipelined_versions.py REV sequential=S.ckpt pipelined=P.ckpt [--examples 100]
+    python -m tasks.bench.pipelined_versions REV sequential=S.ckpt pipelined=P.ckpt [--examples 100]
 
 `decoders/pipelined.py` at git revision REV is loaded as a separate module (unregistered) and
 built with the checkpoint's options; both versions must give the same outputs (subsequences, calls,
-tokens and bound flags, checked at batch size 16). Timed by `tasks.gpu_benchmark`'s harness on the
+tokens and bound flags, checked at batch size 16). Timed by `tasks.bench.gpu_benchmark`'s harness on the
 CPU: batch sizes 1 and 16, one thread, denormals flushed, the three decoders interleaved, median of
 3 passes.
 """
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from tasks.compare import parse_checkpoints
-from tasks.gpu_benchmark import benchmark
+from tasks.bench.gpu_benchmark import benchmark
 from tasks.test import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 """The paper-style speed comparison on an accelerator: trained checkpoints, decode-only timing.
 
-    python -m tasks.gpu_benchmark --ckpt sequential=S.ckpt --ckpt pipelined=P.ckpt \\
+    python -m tasks.bench.gpu_benchmark --ckpt sequential=S.ckpt --ckpt pipelined=P.ckpt \\
         [--batch-sizes 1,64] [--precision bf16|fp32] [--repeats 5] [--examples N] [--out FILE.json]
 
 Huang et al. time T5 decoders on one RTX 4090 at batch size 1 and at a large batch (the number was
@@ -28,7 +28,8 @@ from types import SimpleNamespace
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from decoders.base import DecodeOutput, split_flat_output
+from decoders.base import DecodeOutput
+from decoders.loop import split_flat_output
 from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoints
 from tasks.config import ConfigError
 from tasks.run import log, main_guard, write_report

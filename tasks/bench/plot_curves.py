@@ -1,6 +1,6 @@
 """Training curves of several MLflow runs in one figure: one panel per metric, one line per run.
 
-    python results/plot_curves.py --out F.png LABEL=RUN_ID ... [--metrics train/loss,val/present_f1_at_M]
+    python -m tasks.bench.plot_curves --out F.png LABEL=RUN_ID ... [--metrics train/loss,val/present_f1_at_M]
         [--tracking-uri sqlite:///mlruns/mlflow.db]
 
 Each metric's full history is read from the tracking store and drawn against the training step;

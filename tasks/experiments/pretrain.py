@@ -1,7 +1,7 @@
 """Offline pretraining: a t5-tiny backbone and its tokenizer, trained to denoise the source texts of
 JSONL folders, as the starting point of `tasks.fit ... train.init_from=CHECKPOINT`.
 
-    python -m tasks.pretrain --data DIR[,DIR...] [--out CKPT] [--mask-ratio 0.3] [--mean-span 3]
+    python -m tasks.experiments.pretrain --data DIR[,DIR...] [--out CKPT] [--mask-ratio 0.3] [--mean-span 3]
         [--config FILE.yaml] [key=value ...]
 
 The objective is BART's text infilling (`datamodules.denoising`, where the choice is argued): the
@@ -37,11 +37,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules.denoising import DenoisingDataModule
 from datamodules.sources import usable_folder
-from decoders.base import Range
+from datamodules.vocabulary import Range
 from tasks.config import ConfigError, compose, flatten, to_yaml
 from tasks.module import BackboneTraining
 from tasks.run import (
-    _ExceptionWatcher,
+    ExceptionWatcher,
     base_parser,
     build,
     check_trainer,
@@ -86,13 +86,13 @@ def pretrain_config(args):
     "pretrain" experiment unless one is set."""
     cfg = compose(None, None, args.config, args.overrides)
     if cfg.model.name != "t5-tiny":
-        raise ConfigError(f"model={cfg.model.name}: tasks.pretrain trains model=t5-tiny from random "
+        raise ConfigError(f"model={cfg.model.name}: tasks.experiments.pretrain trains model=t5-tiny from random "
                           f"weights (a pretrained model is fitted directly)")
     if cfg.decoder.name != "sequential":
-        raise ConfigError(f"decoder={cfg.decoder.name}: tasks.pretrain trains the sequential layout "
+        raise ConfigError(f"decoder={cfg.decoder.name}: tasks.experiments.pretrain trains the sequential layout "
                           f"(every decoder's fit can start from it)")
     if cfg.train.init_from is not None:
-        raise ConfigError("train.init_from: tasks.pretrain starts from random weights; leave it unset")
+        raise ConfigError("train.init_from: tasks.experiments.pretrain starts from random weights; leave it unset")
     for name, allowed in SETTING_RANGES.items():
         problem = allowed.problem(f"--{name.replace('_', '-')}", getattr(args, name), {})
         if problem is not None:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                            tags={"role": "pretrain"})  # fails here if unusable
     built = build(cfg, datamodule=datamodule,
                   module_class=partial(DenoisingPretraining, pretraining=settings))
-    watcher = _ExceptionWatcher()
+    watcher = ExceptionWatcher()
     with run_status(logger, watcher):  # the MLflow run exists from here on
         params = flatten(cfg)
         params.update({f"pretrain.{key}": value for key, value in settings.items()})

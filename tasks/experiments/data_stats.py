@@ -1,6 +1,6 @@
 """Length statistics of datasets, tokenized as training tokenizes them, to set the data limits from.
 
-    python -m tasks.data_stats --data ../shared/data [--pretrained DIR] [--builtin] [--out FILE.json]
+    python -m tasks.experiments.data_stats --data ../shared/data [--pretrained DIR] [--builtin] [--out FILE.json]
 
 For every folder under --data that holds train/validation/test.jsonl (its task read off the first
 record's fields) and, with --builtin, the built-in corpus of every task: all splits encoded by the
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             counted = lengths(task, data, model)
             rows.append({"data": name, "task": task, "tokenizer": tokenizer,
                          **{q: summary(counted[q]) for q in QUANTITIES}})
-    command = " ".join(["python -m tasks.data_stats", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m tasks.experiments.data_stats", *(sys.argv[1:] if argv is None else argv)])
     show_report(args.out, rows, f"`{command}`\n\n" + markdown(rows))
     return rows
 

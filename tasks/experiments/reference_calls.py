@@ -1,6 +1,6 @@
 """Decoder calls per example that producing a dataset's references would take; no training needed.
 
-    python -m tasks.reference_calls --task summarization --decoders sequential,pipelined,nar \\
+    python -m tasks.experiments.reference_calls --task summarization --decoders sequential,pipelined,nar \\
         [--split test] [--sweep decoder.delay=1,2] [--out FILE.json] [key=value ...]
 
 Sequential decoding makes one decoder call per token, pipelined decoding one per step of its

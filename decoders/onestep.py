@@ -34,9 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from decoders.base import (masked_mean, DecodeOutput, Decoder, Range, SpecialTokens, at_least_float32, encode,
-                           hidden_mask, output_logits, past_distance_bias_table, read_back,
-                           run_decoder, split_flat_output)
+from datamodules.vocabulary import Range, SpecialTokens
+from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
+                               past_distance_bias_table, run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import read_back, split_flat_output
 from decoders.sequential import SequentialDecoder
 
 

@@ -1,6 +1,6 @@
 """Host-device synchronisation points per decoder call, for every decoder and transformers' generate.
 
-    python -m tasks.sync_points [--batch-size 8] [--steps 32] [--out FILE.json]
+    python -m tasks.bench.sync_points [--batch-size 8] [--steps 32] [--out FILE.json]
 
 On a GPU a decoder step of a small T5 is a handful of kernel launches; every point where the host
 must wait for the device (`.item()`, `.tolist()`, `bool(t)`, `int(t)`, `nonzero`, boolean-mask

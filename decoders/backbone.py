@@ -1,0 +1,122 @@
+"""The T5 calls every decoder shares: the encoder once per batch, the output head, the key/value
+cache, and T5's decoder blocks run with a custom self-attention structure."""
+from __future__ import annotations
+
+import torch
+from transformers import T5ForConditionalGeneration
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+
+def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+           attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run the encoder once per batch; every decoder call reuses its output `(B, source_len, d_model)`."""
+    return model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> torch.Tensor:
+    """Decoder hidden states -> vocabulary logits, exactly as `T5ForConditionalGeneration.forward`.
+
+    With tied embeddings T5 rescales the final hidden state by d_model ** -0.5 before `lm_head`;
+    skipping it changes the logits (and the argmax) compared with `generate`.
+    """
+    if model.config.scale_decoder_outputs:
+        hidden = hidden * (model.config.d_model ** -0.5)
+    return model.lm_head(hidden)
+
+
+def masked_mean(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S, d) states, (B, S) 1/0 mask -> (B, d) mean over the real positions: padding added by
+    batching does not change an example's result."""
+    weights = attention_mask.to(states.dtype)[:, :, None]                        # (B, S, 1)
+    return (states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32 if it is in a narrower float type (bf16/fp16 under mixed precision), so
+    that log-softmax and cross-entropy sums do not lose precision; float64 stays float64."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def new_cache() -> EncoderDecoderCache:
+    """An empty key/value cache for T5's decoder (self-attention and cross-attention parts)."""
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor) -> None:
+    """Keep, for each row b, the self-attention cache slots `order[b]` ((live, K') long), in that
+    order, in every layer: drops slots a row does not need (padding, rejected proposals) and packs
+    the rest to the front. The cross-attention part (the encoder's keys/values) is untouched."""
+    for layer in cache.self_attention_cache.layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(-1))
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+# ---- running T5's decoder blocks with a custom self-attention structure --------------------------
+# T5 adds both `position_bias` and `attention_mask` to the attention scores of every layer, so one
+# precomputed (B, heads, queries, keys) tensor = relative-position bias + visibility mask (a large
+# negative value where hidden) gives a decoder any attention structure, through the backbone's own
+# weights, under eager and sdpa attention alike (see `run_decoder` for why it goes in as the mask).
+
+# Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
+STRUCTURED_ATTENTION = ("eager", "sdpa")
+
+def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor,
+                           bidirectional: bool = False) -> torch.Tensor:
+    """T5's decoder position bias for `distance` = how far each key lies in the past of each query
+    (negative: in the future, which only `bidirectional` bucketing tells apart).
+
+    distance: (B, queries, keys) ints -> (B, heads, queries, keys). Uses T5's own bucketing and the
+    first decoder layer's bias table (only layer 0 owns one).
+    """
+    attention = model.decoder.block[0].layer[0].SelfAttention
+    buckets = attention._relative_position_bucket(
+        -distance, bidirectional=bidirectional, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance)
+    return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+
+
+def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) -> torch.Tensor:
+    """(longest + 1, heads) T5 decoder bias of past distances 0..longest. Computed once per
+    `generate` (T5's bucketing takes logarithms), so that each decoder call only gathers from it:
+    `table[distance].permute(0, 3, 1, 2)` is `relative_position_bias(model, distance)`."""
+    distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
+    return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
+
+
+def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, queries, keys) bool -> (B, 1, queries, keys) additive mask: 0 where visible."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)[:, None]
+
+
+def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
+                encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
+                cache: EncoderDecoderCache | None = None,
+                position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
+
+    input_ids: (B, Q) new tokens; self_bias: (B, heads, Q, keys) where keys = cached + Q tokens;
+    encoder_mask: (B, source_len) 1/0 padding mask. Returns the final hidden states (B, Q, d_model).
+    With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
+    ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
+    """
+    implementation = model.config._attn_implementation
+    if implementation not in STRUCTURED_ATTENTION:
+        raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
+                         f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
+    decoder = model.decoder
+    cross_mask = hidden_mask(encoder_mask[:, None, :].bool(), encoder_states.dtype)  # (B, 1, 1, S)
+    embedded = decoder.embed_tokens(input_ids)
+    if position_embeddings is not None:
+        embedded = embedded + position_embeddings
+    hidden = decoder.dropout(embedded)
+    # The structure goes in as the self-attention *mask*, never as a None mask: under sdpa a decoder
+    # self-attention without a mask is run as causal (cached keys beyond the query count are even
+    # cropped), which would silently replace the structure. `position_bias` must not be None
+    # either, or layer 0 adds T5's own 1-D relative bias; a broadcast zero adds nothing.
+    no_extra_bias = self_bias.new_zeros((1, 1, 1, 1))
+    for block in decoder.block:
+        hidden = block(hidden, attention_mask=self_bias, position_bias=no_extra_bias,
+                       encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
+                       past_key_values=cache)[0]
+    return decoder.dropout(decoder.final_layer_norm(hidden))

@@ -1,0 +1,94 @@
+"""What every decoding loop shares: the live rows of a batch with one host synchronisation per
+decoder call, reading results back once at the end, and splitting flat-layout outputs."""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import EncoderDecoderCache
+
+from datamodules.vocabulary import SpecialTokens
+
+
+# Fill value of per-position output buffers where no token was produced (every token id is >= 0).
+NOT_PRODUCED = -1
+
+
+def split_flat_output(tokens: list[int], special: SpecialTokens) -> tuple[list[list[int]], bool]:
+    """A flat-layout output (s_1 <sep> s_2 ... </s>) -> (its subsequences up to the first end token,
+    whether it had one). Without an end token the output was cut by a bound."""
+    if special.eos in tokens:
+        return split_on(tokens[: tokens.index(special.eos)], special.sep), True
+    return split_on(tokens, special.sep), False
+
+
+def split_on(tokens: list[int], sep: int) -> list[list[int]]:
+    """Split a flat token list at `sep` into non-empty subsequences."""
+    parts, current = [], []
+    for tok in tokens:
+        if tok == sep:
+            if current:
+                parts.append(current)
+            current = []
+        else:
+            current.append(tok)
+    if current:
+        parts.append(current)
+    return parts
+
+
+def read_back(*tensors: torch.Tensor) -> list[list]:
+    """Every tensor's values as (nested) lists, in ONE device -> host transfer (one sync point):
+    a decode's results are read back once, at the end."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(_nested(flat[start:start + t.numel()], list(t.shape)))
+        start += t.numel()
+    return out
+
+
+def _nested(flat: list, shape: list[int]) -> list:
+    """A flat list in row-major order as nested lists of `shape` (on the host, no tensor)."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+class LiveRows:
+    """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
+
+    On a GPU every read of a device value (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, boolean
+    masks) stalls the queue, so a decoding loop keeps its bookkeeping in tensors, written through
+    `index` (each live row's original position: tensor indexing, no sync), and reads back once per
+    call, here: which rows finished (plus, optionally, one small tensor the loop needs on the host
+    for the next call's shapes). Finished rows leave the batch and the cache, so they cost nothing
+    in later calls. Results are read back once, at the end.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.index = torch.arange(batch_size, device=device)   # (live,) original row of each live row
+        self.values: list[int] = []                            # the `also` read back, for kept rows
+        self.kept: list[int] = list(range(batch_size))         # kept rows' positions in the last call
+
+    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
+                      *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
+        """Read back `finished` (live,) bool, with `also` (live,) ints if given, in ONE transfer;
+        drop the finished rows from `index`, the cache and every tensor of `row_tensors` (each
+        (live, ...)). Returns the kept tensors, or None when no row is left."""
+        flags = finished.long() if also is None else torch.stack([finished.long(), also.long()])
+        read = flags.tolist()                                   # the sync point of this call
+        done, values = (read, None) if also is None else read
+        if all(done):
+            return None
+        kept = [row for row, d in enumerate(done) if not d]
+        self.kept = kept
+        if len(kept) < len(done):
+            # right after the read-back nothing is queued, so this host -> device copy waits for nothing
+            keep = torch.tensor(kept, device=finished.device)
+            self.index = self.index[keep]
+            if cache is not None:
+                cache.batch_select_indices(keep)
+            row_tensors = tuple(t[keep] for t in row_tensors)
+            values = None if values is None else [values[row] for row in kept]
+        self.values = values or []
+        return row_tensors
