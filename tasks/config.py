@@ -36,8 +36,8 @@ UNION_TYPES: dict[str, tuple[type, ...]] = {
     "trainer.gradient_clip_val": (int, float, type(None)),
 }
 # Trainer arguments that are objects, not configuration, or that the library sets itself
-# (tasks.run.make_trainer: its samplers keep DDP evaluation free of duplicates, its checkpoint
-# writer is atomic, its callbacks checkpoint).
+# (tasks.runs.trainer.make_trainer: its samplers keep DDP evaluation free of duplicates, its
+# checkpoint writer is atomic, its callbacks checkpoint).
 TRAINER_RESERVED = {"self", "logger", "callbacks", "plugins", "profiler", "default_root_dir",
                     "use_distributed_sampler", "enable_checkpointing", "enable_autolog_hparams"}
 
@@ -311,7 +311,7 @@ def _check_values(cfg: DictConfig) -> None:
 def _devices_problem(devices: Any) -> str | None:
     """`trainer.devices` in a form Lightning takes: a count >= 1, -1 (all), "auto", or device
     indices (a list, or a string such as "0,1"). Whether the devices are there is for Lightning to
-    say (`tasks.run.check_trainer`)."""
+    say (`tasks.runs.trainer.check_trainer`)."""
     value = devices
     if isinstance(devices, str) and devices != "auto":
         try:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 
 from tasks.config import compose, to_yaml
-from tasks.run import (base_parser, experiment_name, find_resumable, log, main_guard,
-                       train_and_test)
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.checkpoints import find_resumable
+from tasks.runs.tracking import experiment_name
+from tasks.runs.trainer import train_and_test
 
 LATEST = object()  # `--resume` without a run id
 

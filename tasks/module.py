@@ -135,8 +135,9 @@ class BackboneTraining(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["decoder_name"] = self.decoder.name
         # The tokenizer and the backbone's architecture, so that testing, resuming or starting from
-        # the checkpoint needs neither a pretrained model's folder nor the hub (`tasks.run.
-        # stored_model`); plain strings, lists and dicts, loadable with torch.load(weights_only=True).
+        # the checkpoint needs neither a pretrained model's folder nor the hub (`tasks.runs.
+        # checkpoints.stored_model`); plain strings, lists and dicts, loadable with
+        # torch.load(weights_only=True).
         checkpoint["tokenizer_json"], checkpoint["tokenizer_settings"] = serialize(self.tokenizer)
         checkpoint["backbone_config"] = self.backbone.config.to_dict()
 

@@ -13,8 +13,10 @@ import time
 
 from decoders import decoder_class
 from tasks.config import ConfigError, compose, to_yaml
-from tasks.run import (base_parser, build, check_trainer, default_run_name, load_checkpoint, log,
-                       main_guard, open_tracking, score_into_run, stored_model)
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.checkpoints import load_checkpoint, stored_model
+from tasks.runs.tracking import default_run_name, open_tracking
+from tasks.runs.trainer import build, check_trainer, score_into_run
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):

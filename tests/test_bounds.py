@@ -7,7 +7,7 @@ import torch
 from decoders import available, build_decoder
 from decoders.sequential import join_subsequences
 from tasks.config import compose
-from tasks.run import decoder_options
+from tasks.runs.trainer import decoder_options
 from tests.conftest import SPECIAL, first_batch_where, random_batch, tiny_t5
 
 pytestmark = pytest.mark.float64  # outputs compared across bounds: see tests/conftest.py

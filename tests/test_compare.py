@@ -9,8 +9,11 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from tasks import compare, test as test_entry
+from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, plan,
+                                   training_label, user_sets)
+from tasks.comparison.report import plot_sweep, sweep_series
 from tasks.config import ConfigError, compose
-from tasks.run import build
+from tasks.runs.trainer import build
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 from tests.test_faults import fails_before_any_work
 
@@ -83,11 +86,11 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
 
 def test_sweep_of_an_option_no_decoder_has_is_refused():
     with pytest.raises(ConfigError, match="no decoder among sequential has option 'delay'"):
-        compare.plan("keyphrase", ["sequential"], None, [], {"decoder.delay": ["1", "2"]})
+        plan("keyphrase", ["sequential"], None, [], {"decoder.delay": ["1", "2"]})
 
 
 def test_decoder_specific_override_goes_to_its_decoder_only():
-    rows = compare.plan("keyphrase", ["sequential", "pipelined"], None, ["decoder.delay=2"], {})
+    rows = plan("keyphrase", ["sequential", "pipelined"], None, ["decoder.delay=2"], {})
     assert [cfg.decoder.name for cfg, _ in rows] == ["sequential", "pipelined"]
     assert rows[1][0].decoder.delay == 2 and "delay" not in rows[0][0].decoder
 
@@ -157,9 +160,9 @@ def test_a_checkpoint_may_differ_in_decode_options_and_storage_only(tmp_path):
     path = stored_config(tmp_path / "p.ckpt", "keyphrase", "pipelined", [*TINY, "decoder.max_steps=9",
                                                                          "data.tokenizer_cache=/x"])
     checkpoint = torch.load(path, weights_only=False)
-    for cfg, _ in compare.plan("keyphrase", ["pipelined"], None, TINY,
-                               {"decoder.max_subsequence_length": ["4", "8"]}):
-        compare.check_checkpoint(checkpoint, path, cfg)  # decode-time options and the cache: no error
+    for cfg, _ in plan("keyphrase", ["pipelined"], None, TINY,
+                       {"decoder.max_subsequence_length": ["4", "8"]}):
+        check_checkpoint(checkpoint, path, cfg)  # decode-time options and the cache: no error
 
 
 @pytest.mark.slow
@@ -194,11 +197,11 @@ def backbone_plan(decoders: list[str], overrides: list[str] = (), backbone: str 
                   checkpoints: dict[str, str] | None = None):
     """compare's plan of `decoders` with `on_sequential` applied: (configs, starts, training labels)."""
     checkpoints = checkpoints or {}
-    planned = compare.plan("keyphrase", decoders, None, list(overrides), {})
-    starts = compare.on_sequential(planned, backbone, checkpoints,
-                                   lambda key: compare.user_sets(key, None, list(overrides), {}))
+    planned = plan("keyphrase", decoders, None, list(overrides), {})
+    starts = on_sequential(planned, backbone, checkpoints,
+                           lambda key: user_sets(key, None, list(overrides), {}))
     cfgs = [cfg for cfg, _ in planned]
-    labels = [compare.training_label(cfg, start, cfg.decoder.name in checkpoints)
+    labels = [training_label(cfg, start, cfg.decoder.name in checkpoints)
               for cfg, start in zip(cfgs, starts)]
     return cfgs, starts, labels
 
@@ -227,7 +230,7 @@ def test_blockwise_starts_from_the_sequential_row_frozen_unless_told_otherwise()
 
 
 def test_onestep_builds_on_the_sequential_row_whatever_the_backbone_flag():
-    for backbone in compare.BACKBONES:
+    for backbone in BACKBONES:
         assert backbone_plan(["sequential", "onestep"], backbone=backbone)[1:] == (
             [False, True], ["own", "frozen sequential backbone"])
     assert backbone_plan(["onestep"], ["train.init_from=s.ckpt"])[1:] == (
@@ -253,7 +256,7 @@ def test_a_jointly_trained_blockwise_checkpoint_is_checked_against_the_frozen_de
     checkpoint = torch.load(path, weights_only=False)
     for overrides, backbone in ((TINY, "own"), ([*TINY, "decoder.freeze_backbone=false"], "from-sequential")):
         cfgs, _, _ = backbone_plan(["sequential", "blockwise"], overrides, backbone, {"blockwise": path})
-        compare.check_checkpoint(checkpoint, path, cfgs[1])  # no error
+        check_checkpoint(checkpoint, path, cfgs[1])  # no error
 
 
 @pytest.mark.slow
@@ -310,21 +313,21 @@ def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
         cfg = OmegaConf.create({"decoder": {"name": name, **swept}})
         entry = {"quality": {"present_f1_at_M": quality},
                  "speedup_bs1": speedups[0], "speedup_batch": speedups[1]}
-        return compare.Row(cfg, None, None, None, swept=list(swept)), entry
+        return Row(cfg, None, None, None, swept=list(swept)), entry
 
     made = [row("sequential", {}, 0.5, (1.0, 1.0))] + [
         row("pipelined", {"delay": delay, "max_subsequence_length": length}, quality, (delay, 2 * delay))
         for length, quality in ((4, 0.1), (8, 0.2)) for delay in (2, 1)]
     rows, entries = zip(*made)
-    series = compare.sweep_series(list(rows), list(entries), "delay", "present_f1_at_M")
+    series = sweep_series(list(rows), list(entries), "delay", "present_f1_at_M")
     assert series == {
         "pipelined(max_subsequence_length=4)": {"x": [2, 1], "quality": [0.1, 0.1],
                                                 "speedup_bs1": [2, 1], "speedup_batch": [4, 2]},
         "pipelined(max_subsequence_length=8)": {"x": [2, 1], "quality": [0.2, 0.2],
                                                 "speedup_bs1": [2, 1], "speedup_batch": [4, 2]}}
     path = tmp_path / "cmp_vs_delay.png"
-    compare.plot_sweep(series, "delay", "present_f1_at_M", 0.5, 16, path)
+    plot_sweep(series, "delay", "present_f1_at_M", 0.5, 16, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # without a sequential row there is no speedup to draw: quality alone
-    compare.plot_sweep(series, "delay", "present_f1_at_M", None, 16, path)
+    plot_sweep(series, "delay", "present_f1_at_M", None, 16, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

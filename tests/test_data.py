@@ -11,7 +11,7 @@ from datamodules.schema import DataError
 from datamodules.sources import load_split, read_jsonl
 from tasks.config import compose
 from tasks.models import ModelError, build_backbone
-from tasks.run import records_digest
+from tasks.runs.tracking import records_digest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -195,7 +195,7 @@ def test_predictions_read_back_as_the_references_they_reproduce(tmp_path):
     to prediction text (`GenerationTask.decode_batch`): a decoder that outputs the test targets
     exactly predicts the references, character for character, in scripts training never saw."""
     from decoders import DecodeOutput
-    from tasks.run import build
+    from tasks.runs.trainer import build
     train = [dict(KP, id=f"t{i}") for i in range(8)]
     test = [dict(KP, id=f"u{i}", keyphrases=[text.strip(), "graph coloring"])
             for i, text in enumerate(UNSEEN)]

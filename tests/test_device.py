@@ -11,9 +11,11 @@ from mlflow.tracking import MlflowClient
 
 import tasks.module
 from tasks import compare
+from tasks.comparison import measure
 from tasks.experiments import distill
 from tasks.config import ConfigError, compose
-from tasks.run import Trained, build, decode_device, make_trainer, open_tracking, score_into_run
+from tasks.runs.tracking import open_tracking
+from tasks.runs.trainer import Trained, build, decode_device, make_trainer, score_into_run
 from tests.test_end_to_end import TINY, tracking
 
 META = torch.device("meta")
@@ -53,7 +55,7 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
 
     decodes = RecordedDecodes()
     monkeypatch.setattr(compare, "train_and_test", tested_untrained)
-    monkeypatch.setattr(compare, "timed_generate", decodes)
+    monkeypatch.setattr(measure, "timed_generate", decodes)
     result = compare.main(["--decoders", "sequential", "--out", str(tmp_path / "cmp.json"),
                            "--repeats", "1", "--speed-examples", "2", *TINY, *tracking(tmp_path)])
     return result, decodes

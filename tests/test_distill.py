@@ -8,7 +8,8 @@ from datamodules.sources import load_split
 from tasks import fit
 from tasks.experiments import distill
 from tasks.config import ConfigError, compose
-from tasks.run import build, load_checkpoint
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.trainer import build
 from tasks.test import checkpoint_config, restore
 from tests.test_end_to_end import TINY, tracking
 

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from datamodules.datamodule import SubsequenceDataModule
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
-from tasks.run import records_digest
+from tasks.runs.tracking import records_digest
 
 TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
         "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",

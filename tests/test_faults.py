@@ -16,12 +16,14 @@ from mlflow.tracking import MlflowClient
 from transformers import T5Config
 
 import tasks.run
+import tasks.runs.trainer
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
 from decoders import build_decoder
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
-from tasks.run import SafeCheckpointIO, build, make_trainer, train_and_test
+from tasks.runs.checkpoints import SafeCheckpointIO
+from tasks.runs.trainer import build, make_trainer, train_and_test
 from tests.conftest import SPECIAL
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
@@ -186,7 +188,8 @@ def test_predictions_write_is_all_or_nothing(tmp_path):
 # ---- bad input: a clear error before any expensive work -------------------------------------------
 
 def test_unusable_tracking_uri_fails_before_the_data_is_touched(tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks.run, "build", lambda *a, **k: pytest.fail("data built before the check"))
+    monkeypatch.setattr(tasks.runs.trainer, "build",
+                        lambda *a, **k: pytest.fail("data built before the check"))
     cfg = compose("keyphrase", None, None, [f"tracking.uri=sqlite:///{tmp_path}",  # a folder
                                             f"tracking.artifact_location={tmp_path}/artifacts"])
     with pytest.raises(ConfigError, match=f"cannot open tracking.uri='sqlite:///{tmp_path}'"):

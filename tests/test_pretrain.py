@@ -14,7 +14,8 @@ from datamodules.schema import DataError
 from datamodules.tokenizer import serialize
 from tasks.experiments import pretrain
 from tasks.config import ConfigError, compose
-from tasks.run import load_checkpoint, train_and_test
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.trainer import train_and_test
 from tasks.test import checkpoint_config
 
 MASK = 4

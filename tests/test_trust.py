@@ -94,7 +94,7 @@ FIRST_USE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from tasks.config import compose
-    from tasks.run import open_tracking
+    from tasks.runs.tracking import open_tracking
     store, go = sys.argv[1], Path(sys.argv[2])
     cfg = compose("keyphrase", "sequential", overrides=[f"tracking.uri=sqlite:///{store}",
                   f"tracking.artifact_location={Path(store).parent}/artifacts"])
@@ -129,7 +129,7 @@ def test_a_failure_after_the_run_exists_marks_it_failed(tmp_path, monkeypatch):
     error as its tag. (A trainer Lightning refuses is now a ConfigError before any run exists.)"""
     def failing_log(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr("tasks.run.log_params", failing_log)
+    monkeypatch.setattr("tasks.runs.trainer.log_params", failing_log)
     with pytest.raises(OSError, match="disk full"):
         fit.main([*TINY, *tracking(tmp_path)])
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -30,7 +30,8 @@ from lightning.pytorch.utilities import move_data_to_device
 
 from decoders.base import DecodeOutput
 from decoders.loop import split_flat_output
-from tasks.compare import PeakMemory, flushed_denormals, parse_checkpoints
+from tasks.comparison.measure import PeakMemory, flushed_denormals
+from tasks.comparison.plan import parse_checkpoints
 from tasks.config import ConfigError
 from tasks.run import log, main_guard, write_report
 from tasks.test import restore_as_trained

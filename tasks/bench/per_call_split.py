@@ -22,7 +22,7 @@ import time
 import torch
 
 import decoders.backbone as backbone
-from tasks.compare import parse_checkpoints
+from tasks.comparison.plan import parse_checkpoints
 from tasks.test import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

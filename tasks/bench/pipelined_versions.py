@@ -1,5 +1,6 @@
-"""The pipelined decoding loop of an earlier commit against today's, timed side by side with
-sequential, on the same trained checkpoints: what a change of the loop bought.
+"""What a change of the pipelined decoding loop bought: an earlier commit's loop against today's.
+
+Both are timed side by side with sequential, on the same trained checkpoints.
 
     python -m tasks.bench.pipelined_versions REV sequential=S.ckpt pipelined=P.ckpt [--examples 100]
 
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tasks.compare import parse_checkpoints
+from tasks.comparison.plan import parse_checkpoints
 from tasks.bench.gpu_benchmark import benchmark
 from tasks.test import restore_as_trained
 

@@ -11,7 +11,7 @@ import argparse
 
 from mlflow.tracking import MlflowClient
 
-from tasks.compare import pyplot
+from tasks.comparison.report import pyplot
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("runs", nargs="+", metavar="LABEL=RUN_ID")

@@ -48,17 +48,9 @@ from datamodules.sentences import split_sentences
 from tasks.config import ConfigError, compose, to_yaml
 from tasks.metrics import Rouge
 from tasks.module import subsequence_texts
-from tasks.run import (
-    ExceptionWatcher,
-    base_parser,
-    check_tracking,
-    log_artifacts,
-    log_params,
-    main_guard,
-    open_tracking,
-    run_status,
-    show_report,
-)
+from tasks.run import base_parser, main_guard, show_report
+from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,
+                                 open_tracking, run_status)
 
 TASK = "summarization"
 SPLIT = "test"

@@ -24,7 +24,9 @@ from tqdm.auto import tqdm
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
 from tasks.module import write_jsonl
-from tasks.run import base_parser, decode_device, load_checkpoint, log, main_guard
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.trainer import decode_device
 from tasks.test import checkpoint_config, restore
 
 

@@ -1,5 +1,6 @@
-"""Offline pretraining: a t5-tiny backbone and its tokenizer, trained to denoise the source texts of
-JSONL folders, as the starting point of `tasks.fit ... train.init_from=CHECKPOINT`.
+"""Offline pretraining: a t5-tiny backbone and tokenizer, trained to denoise JSONL source texts.
+
+Its checkpoint is the starting point of `tasks.fit ... train.init_from=CHECKPOINT`.
 
     python -m tasks.experiments.pretrain --data DIR[,DIR...] [--out CKPT] [--mask-ratio 0.3] [--mean-span 3]
         [--config FILE.yaml] [key=value ...]
@@ -40,22 +41,11 @@ from datamodules.sources import usable_folder
 from datamodules.vocabulary import Range
 from tasks.config import ConfigError, compose, flatten, to_yaml
 from tasks.module import BackboneTraining
-from tasks.run import (
-    ExceptionWatcher,
-    base_parser,
-    build,
-    check_trainer,
-    experiment_name,
-    log,
-    log_artifacts,
-    log_dataset_inputs,
-    main_guard,
-    make_trainer,
-    mlflow_dataset,
-    open_tracking,
-    run_folder,
-    run_status,
-)
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.tracking import (ExceptionWatcher, experiment_name, log_artifacts,
+                                 log_dataset_inputs, mlflow_dataset, open_tracking, run_folder,
+                                 run_status)
+from tasks.runs.trainer import build, check_trainer, make_trainer
 
 EXPERIMENT = "pretrain"
 # the denoising settings (command-line flags), with the values they take

@@ -56,8 +56,10 @@ from decoders.backbone import at_least_float32, encode
 from decoders.onestep import one_pass_logits, with_frozen_weights
 from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
-from tasks.run import (ExceptionWatcher, base_parser, decode_device, load_checkpoint, log,
-                       log_params, main_guard, open_tracking, run_status)
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_status
+from tasks.runs.trainer import decode_device
 from tasks.test import checkpoint_config, restore
 
 # position (W,) -> (W,) True where the input is e, False where it is m

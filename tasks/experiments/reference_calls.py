@@ -25,10 +25,12 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.sources import SPLITS
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
-from tasks.compare import parse_decoders, parse_sweeps, plan, reference_calls, row_label
+from tasks.comparison.measure import reference_calls
+from tasks.comparison.plan import parse_decoders, parse_sweeps, plan, row_label
 from tasks.config import to_yaml
 from tasks.models import build_backbone
-from tasks.run import base_parser, decoder_options, main_guard, show_report
+from tasks.run import base_parser, main_guard, show_report
+from tasks.runs.trainer import decoder_options
 
 
 def reference_counts(planned, datamodule: SubsequenceDataModule, split: str) -> list[dict]:

@@ -1,0 +1,167 @@
+"""What a comparison measures of its rows besides their test scores: speed (interleaved, warmed-up
+timing of `generate` on the configured device, denormals flushed on a CPU), peak memory, the
+decoder calls the references need, and the weights each fit trains."""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+from lightning.pytorch.utilities import move_data_to_device
+from tqdm.auto import tqdm
+
+from tasks.comparison.plan import Row
+from tasks.module import GenerationTask, timed_generate
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+def _heap_in_use() -> int | None:
+    """Bytes of C heap in use (glibc mallinfo2: small blocks + mmapped blocks), None off glibc.
+
+    Torch's CPU tensors live on this heap, and unlike the resident set it falls when they are
+    freed, so its peak during a decode is the decode's own working memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class PeakMemory:
+    """Peak memory of a block over its level before: CUDA max allocated, or on CPU the C heap in
+    use (sampled every millisecond in a thread)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_mb = 0.0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = _heap_in_use() or 0
+            self._peak = self._base
+            self._running = True
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self._peak = max(self._peak, _heap_in_use() or 0)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._running = False
+            self._thread.join()
+            peak = self._peak
+        self.peak_mb = (peak - self._base) / 2 ** 20
+
+
+def flushing_denormals() -> bool:
+    """Whether this thread flushes denormal floats to zero (torch sets the mode but cannot report
+    it): a denormal float32 times one stays denormal unless flushed."""
+    return float(torch.tensor([1e-39]) * 1.0) == 0.0
+
+
+@contextmanager
+def flushed_denormals(device: torch.device):
+    """On a CPU, denormal floats flushed to zero for the block, then the previous mode restored;
+    yields whether they are flushed. A random model with a large init scale spends most of a CPU
+    decode in denormal arithmetic, which GPUs do at full speed: unflushed, CPU timings would
+    measure how many denormals a decoder meets rather than its work. (torch sets the mode of the
+    calling thread only: work it splits over its other intra-op threads is not flushed.)"""
+    if device.type != "cpu":
+        yield False
+        return
+    before = flushing_denormals()
+    flushed = torch.set_flush_denormal(True)  # False where the CPU cannot
+    try:
+        yield flushed
+    finally:
+        torch.set_flush_denormal(before)
+
+
+def time_row(row: Row, batch: dict) -> float:
+    module = row.module
+    return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
+
+
+def measure_speed(rows: list[Row], device: torch.device, batch_size: int, repeats: int,
+                  limit: int | None) -> dict:
+    """Interleaved, warmed-up timing of every row on `device`, on the same prepared batches.
+
+    Returns the conditions of the timing: the device the modules' parameters were on while timed
+    and whether denormals were flushed."""
+    datamodule = rows[0].datamodule
+    examples = datamodule.dataset("test").examples[:limit]
+    # moved to the device beforehand, so that the copies are not timed
+    singles = [move_data_to_device(datamodule.collate([e]), device) for e in examples]
+    batches = [move_data_to_device(datamodule.collate(examples[i:i + batch_size]), device)
+               for i in range(0, len(examples), batch_size)]
+    for row in rows:
+        # Lightning's test teardown left the module on the CPU, whatever the trainer ran on
+        row.module.to(device)
+        row.module.eval()
+    single_runs = {id(r): [] for r in rows}
+    batch_runs = {id(r): [] for r in rows}
+    with flushed_denormals(device) as flushed, torch.inference_mode():
+        for row in rows:
+            for batch in singles[:3] + batches[:1]:
+                time_row(row, batch)
+        timed_on = str(next(rows[0].module.parameters()).device)
+        with tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
+            for _ in range(repeats):
+                for row in rows:
+                    single_runs[id(row)].append([time_row(row, b) for b in singles])
+                    batch_runs[id(row)].append(sum(time_row(row, b) for b in batches))
+                    bar.update()
+        for row in rows:
+            runs = single_runs[id(row)]
+            row.latencies = [statistics.median(times) for times in zip(*runs)]
+            row.speed["examples_per_second_bs1"] = len(examples) / statistics.median(sum(r) for r in runs)
+            row.speed["examples_per_second_batch"] = len(examples) / statistics.median(batch_runs[id(row)])
+            with PeakMemory(device) as memory:
+                for batch in batches:
+                    time_row(row, batch)
+            row.speed["peak_memory_mb"] = memory.peak_mb
+    return {"device": timed_on, "flush_denormal": flushed}
+
+
+def reference_calls(decoder, datamodule, split: str = "test") -> list[int] | None:
+    """Per example of `split`, the decoder calls that producing its references would take with
+    `decoder` (`Decoder.calls_for_output`); None where that depends on the model."""
+    calls = [decoder.calls_for_output(example.target_ids) for example in datamodule.dataset(split)]
+    return None if None in calls or not calls else calls
+
+
+def reference_calls_per_example(row: Row) -> float | None:
+    """Mean calls the test references need with this row's decoder: next to the calls the trained
+    model took, it tells a cheaper decoder from a model that writes less."""
+    calls = reference_calls(row.module.decoder, row.datamodule)
+    return None if calls is None else statistics.mean(calls)
+
+
+def trained_parameters(module: GenerationTask) -> int:
+    """Weights a fit of this decoder trains: its own modules, plus the backbone unless frozen. A
+    decoder on a frozen sequential backbone costs this on top of the sequential model's training."""
+    count = sum(p.numel() for p in module.decoder.parameters())
+    if module.decoder.trains_backbone():
+        count += sum(p.numel() for p in module.backbone.parameters())
+    return count

@@ -1,0 +1,190 @@
+"""A comparison's results: the JSON (one entry per row, speedups over sequential), its markdown
+table, and the plots (speedup against target subsequences, quality against speed, and per swept
+option quality and speedup against its value)."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from tasks.comparison.measure import reference_calls_per_example, trained_parameters
+from tasks.comparison.plan import Row, row_label
+
+
+def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict:
+    """The comparison's JSON: one entry per row, with the conditions of the timing (`timing`, from
+    `measure_speed`)."""
+    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
+    out_rows = []
+    for row in rows:
+        calls = row.telemetry.get("decoder_calls_per_example")
+        # test outputs stopped by a decoder bound (every decoder's: data.max_target_length output
+        # tokens, plus pipelined's slot limits) rather than by their own end token
+        hits, examples = int(row.telemetry["max_steps_hit"]), len(row.module.telemetry.rows)
+        entry = {
+            "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
+            "training": row.training,
+            "trained_parameters": trained_parameters(row.module),
+            "fit_seconds": row.fit_seconds,
+            "quality": row.quality,
+            "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
+            "examples_per_second_batch": row.speed["examples_per_second_batch"],
+            "speedup_bs1": None, "speedup_batch": None,
+            "decoder_calls_per_example": calls,
+            "reference_calls_per_example": reference_calls_per_example(row),
+            "tokens_per_call": row.telemetry.get("tokens_per_call"),
+            "bound_hits": hits, "bound_hit_fraction": hits / examples if examples else None,
+            "peak_memory_mb": row.speed["peak_memory_mb"],
+            "mlflow_run_id": row.logger.run_id,
+        }
+        if reference is not None:
+            for key in ("bs1", "batch"):
+                entry[f"speedup_{key}"] = (row.speed[f"examples_per_second_{key}"]
+                                           / reference.speed[f"examples_per_second_{key}"])
+        out_rows.append(entry)
+    data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
+    device = timing["device"]
+    return {"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
+            "threads": threads, "flush_denormal": timing["flush_denormal"],
+            "eval_batch_size": cfg.eval.batch_size,
+            "memory": "CUDA max allocated" if device.startswith("cuda")
+            else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)", "rows": out_rows}
+
+
+def markdown(result: dict) -> str:
+    """The table: F-measures and ROUGE shown, precision/recall left to the JSON."""
+    shown = [k for k in result["rows"][0]["quality"]
+             if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
+
+    def fmt(value, digits=3):
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    head = ["decoder", "training", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
+            "calls/ex", "reference calls/ex", "tokens/call", "bound hits", "peak MB", "trained params",
+            "fit s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        cells = [r["label"], r["training"], *(fmt(r["quality"][k]) for k in shown),
+                 fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
+                 fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
+                 fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
+                 fmt(r["tokens_per_call"], 2),
+                 f"{r['bound_hits']} ({fmt(r['bound_hit_fraction'], 3)})",
+                 fmt(r["peak_memory_mb"], 1), f"{r['trained_parameters']:,}",
+                 fmt(r["fit_seconds"], 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
+    caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
+               f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
+               f"memory = {result['memory']}")
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def sweep_series(rows: list[Row], entries: list[dict], option: str,
+                 primary: str) -> dict[str, dict[str, list]]:
+    """What the plot of a swept decoder option shows: per series (a decoder, with the values of
+    its other swept options) the option's values in the plan's order (`x`) and, at each, the
+    `primary` quality metric and the speedups over sequential (None without a sequential row).
+    `entries` are `report`'s rows, in the order of `rows`."""
+    series: dict[str, dict[str, list]] = {}
+    for row, entry in zip(rows, entries):
+        if option not in row.swept:
+            continue
+        points = series.setdefault(row_label(row.cfg, [k for k in row.swept if k != option]),
+                                   {"x": [], "quality": [], "speedup_bs1": [], "speedup_batch": []})
+        value = row.cfg.decoder[option]
+        # numbers on a numeric axis; anything else (a flag) as categories
+        points["x"].append(value if isinstance(value, (int, float)) and not isinstance(value, bool)
+                           else str(value))
+        points["quality"].append(entry["quality"][primary])
+        for key in ("speedup_bs1", "speedup_batch"):
+            points[key].append(entry[key])
+    return series
+
+
+def plot_sweep(series: dict[str, dict[str, list]], option: str, primary: str,
+               reference_quality: float | None, batch_size: int, path: Path) -> None:
+    """`sweep_series` drawn: quality against the option's value, with sequential's as a grey line,
+    and beside it (when there is a sequential row) the speedup over sequential at batch size 1
+    (solid) and at `batch_size` (dashed)."""
+    plt = pyplot()
+    panels = 1 if reference_quality is None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    quality = axes[0][0]
+    for label, points in series.items():
+        line, = quality.plot(points["x"], points["quality"], marker="o", label=label)
+        if panels == 2:
+            axes[0][1].plot(points["x"], points["speedup_bs1"], marker="o", color=line.get_color(),
+                            label=f"{label}, batch size 1")
+            axes[0][1].plot(points["x"], points["speedup_batch"], marker="s", ls="--",
+                            color=line.get_color(), label=f"{label}, batch size {batch_size}")
+    if panels == 2:
+        quality.axhline(reference_quality, color="grey", lw=0.8, label="sequential")
+        speedup = axes[0][1]
+        speedup.axhline(1.0, color="grey", lw=0.8)
+        speedup.set_xlabel(option)
+        speedup.set_ylabel("speedup over sequential")
+        speedup.legend()
+    if all(isinstance(x, int) for points in series.values() for x in points["x"]):
+        from matplotlib.ticker import MaxNLocator
+        for ax in axes[0]:  # no ticks between integer settings (delay 1.5)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    quality.set_xlabel(option)
+    quality.set_ylabel(primary)
+    quality.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+    plt = pyplot()
+    paths = []
+    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
+    if reference is not None:
+        counts = [len(e.target_ids) for e in reference.datamodule.dataset("test").examples]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for row in rows:
+            if row is reference:
+                continue
+            by_count: dict[int, list[float]] = {}
+            for n, ref_t, t in zip(counts, reference.latencies, row.latencies):
+                by_count.setdefault(n, []).append(ref_t / t)
+            xs = sorted(by_count)
+            ax.plot(xs, [statistics.mean(by_count[x]) for x in xs], marker="o", label=row.label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("target subsequences per example")
+        ax.set_ylabel("speedup over sequential (batch size 1)")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(stem.with_name(stem.name + "_speedup_vs_subsequences.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    primary = rows[0].module.primary_metric.split("/", 1)[1]
+    for r in result["rows"]:
+        ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0))
+        ax.annotate(r["label"], (r["examples_per_second_bs1"], r["quality"].get(primary, 0.0)))
+    ax.set_xlabel("examples per second (batch size 1)")
+    ax.set_ylabel(primary)
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "_quality_vs_speed.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    reference_quality = None if reference is None else reference.quality[primary]
+    for option in dict.fromkeys(option for row in rows for option in row.swept):
+        paths.append(stem.with_name(f"{stem.name}_vs_{option}.png"))
+        plot_sweep(sweep_series(rows, result["rows"], option, primary), option, primary,
+                   reference_quality, result["eval_batch_size"], paths[-1])
+    return paths

@@ -1,0 +1,163 @@
+"""Training and testing a configuration: the data, model and task module it builds, the Lightning
+trainer it runs on (checked before any work), and a fit tested and tracked as one MLflow run."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig
+
+from datamodules.datamodule import SubsequenceDataModule
+from datamodules.sources import SPLITS
+from datamodules.tokenizer import special_tokens
+from decoders import build_decoder, decoder_class
+from tasks.config import ConfigError
+from tasks.models import build_backbone
+from tasks.module import TASK_MODULES, GenerationTask
+from tasks.runs.checkpoints import (BestCheckpoint, Resume, SafeCheckpointIO, StoredModel,
+                                    initial_weights)
+from tasks.runs.tracking import (ExceptionWatcher, default_run_name, log_artifacts, log_params,
+                                 open_tracking, run_folder, run_status)
+
+
+@dataclass
+class Built:
+    datamodule: SubsequenceDataModule
+    module: GenerationTask
+
+
+def decoder_options(cfg: DictConfig) -> dict:
+    return {k: v for k, v in cfg.decoder.items() if k != "name"}
+
+
+def build(cfg: DictConfig, stored: StoredModel = StoredModel(), datamodule=None,
+          module_class=None) -> Built:
+    """Data (records, tokenizer, encoded splits), then the backbone, the decoder and the task module;
+    the tokenizer and the backbone's architecture come from `stored` where it has them.
+    `datamodule` and `module_class` stand in for the task's (`tasks.experiments.pretrain`'s denoising ones)."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if datamodule is None:
+        datamodule = SubsequenceDataModule(cfg, tokenizer=stored.tokenizer)
+    datamodule.setup()
+    backbone = build_backbone(cfg.model, datamodule.tokenizer, stored.backbone_config)
+    decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(datamodule.tokenizer),
+                            **decoder_options(cfg))
+    module = (module_class or TASK_MODULES[cfg.task.name])(cfg, backbone, decoder, datamodule.tokenizer)
+    return Built(datamodule, module)
+
+
+def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> L.Trainer:
+    # the arguments set here are refused in configurations (tasks.config.TRAINER_RESERVED)
+    return L.Trainer(**cfg.trainer, logger=logger if logger is not None else False,
+                     callbacks=list(callbacks), enable_autolog_hparams=False,
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                     use_distributed_sampler=False, plugins=[SafeCheckpointIO()])
+
+
+def check_trainer(cfg: DictConfig) -> L.Trainer:
+    """A trainer with the configured `trainer` settings: Lightning checks them as it makes one
+    (an accelerator available here, devices it has, a known strategy and precision). Entry points
+    call this before any work, so that what Lightning refuses is a ConfigError then, not a
+    traceback once the data is read and the tokenizer trained. (Ranges Lightning would only hit
+    later are checked with the configuration, `tasks.config.VALUE_RANGES`.)"""
+    try:
+        return make_trainer(cfg, None)
+    except (MisconfigurationException, ValueError, TypeError, ImportError) as err:
+        available = sorted(name for name in AcceleratorRegistry.available_accelerators()
+                           if AcceleratorRegistry[name]["accelerator"].is_available())
+        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator!r} with trainer.devices="
+                          f"{cfg.trainer.devices!r} cannot run here: {err} (accelerators available "
+                          f"here: auto, {', '.join(available)})") from err
+
+
+def decode_device(cfg: DictConfig) -> torch.device:
+    """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
+    first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
+    timing, tasks.experiments.distill) decode. Lightning's test teardown moves the module back to the CPU, so
+    they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
+    its checks (`check_trainer`)."""
+    return check_trainer(cfg).strategy.root_device
+
+
+def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built) -> None:
+    """Decode and score the test split with an already-trained module; params, the test split as
+    dataset input, metrics, config and predictions go to `logger`'s run."""
+    with run_status(logger, ExceptionWatcher()):  # the run exists from the first log on
+        log_params(logger, cfg, built.datamodule, ("test",))
+        make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
+        log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+
+
+@dataclass
+class Trained:
+    built: Built
+    logger: MLFlowLogger
+    checkpoint: str
+    scores: dict[str, float]
+    fit_seconds: float   # this process's trainer.fit, validation included (a resume: the rest only)
+
+
+def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
+                   callbacks=()) -> Trained:
+    """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
+    and score the test split with it, and log params, metrics, config and predictions to MLflow.
+
+    With `resume`, training goes on from that run's last checkpoint and logs into the same run;
+    otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
+    A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    if resume is None and cfg.train.init_from is None and decoder_class(cfg.decoder.name).needs_trained_backbone:
+        # it would train on a random frozen backbone: a result with no meaning, hours later
+        raise ConfigError(f"decoder {cfg.decoder.name} trains only on a trained sequential model's "
+                          f"backbone: set train.init_from=<a sequential tasks.fit checkpoint>")
+    check_trainer(cfg)
+    initial = None if resume else initial_weights(cfg)
+    logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
+                           run_id=resume.run_id if resume else None)  # fails here if unusable
+    built = build(cfg, resume.stored if resume else initial.stored if initial else StoredModel())
+    if initial is not None:
+        built.module.backbone.load_state_dict(initial.backbone)
+    # The MLflow run is created here, once the data and the model are known to be good; on other
+    # DDP processes the logger is inert (run_id None) and ModelCheckpoint takes rank 0's folder.
+    run_id = logger.run_id
+    watcher = ExceptionWatcher()
+    # From here on the run exists: any failure, a trainer that cannot be built included, marks it
+    with run_status(logger, watcher):
+        if resume is not None and rank_zero_only.rank == 0:
+            client = logger.experiment
+            client.update_run(run_id, status="RUNNING")
+            client.set_tag(run_id, "resumed_from", resume.checkpoint)
+            error = client.get_run(run_id).data.tags.get("error")
+            if error is not None:  # kept, under a name that does not say the run is failing now
+                client.set_tag(run_id, "error_before_resume", error)
+                client.delete_tag(run_id, "error")
+        log_params(logger, cfg, built.datamodule, SPLITS)
+        folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
+        best_checkpoint = BestCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
+                                         auto_insert_metric_name=False,
+                                         monitor=built.module.primary_metric, mode="max", save_top_k=1)
+        # Written at the end of every epoch (ModelCheckpoint's own `save_last` is only refreshed
+        # when the best one is): what `--resume` takes up, and what is tested when validation
+        # never ran.
+        last_checkpoint = ModelCheckpoint(dirpath=folder, filename="last", save_top_k=1)
+        trainer = make_trainer(cfg, logger,
+                               callbacks=[best_checkpoint, last_checkpoint, watcher, *callbacks])
+        fit_started = time.perf_counter()
+        trainer.fit(built.module, datamodule=built.datamodule,
+                    ckpt_path=resume.checkpoint if resume else None)
+        fit_seconds = time.perf_counter() - fit_started
+        logger.log_metrics({"train/fit_seconds": fit_seconds})
+        # The best checkpoint by the task's metric (the latest of equal scores); the last one when
+        # validation never ran.
+        best = best_checkpoint.best_model_path or last_checkpoint.best_model_path
+        trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
+        if rank_zero_only.rank == 0:
+            logger.experiment.set_tag(run_id, "tested_checkpoint", best)
+        log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    return Trained(built, logger, best, built.module.test_scores, fit_seconds)
