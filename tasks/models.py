@@ -18,7 +18,7 @@ def build_backbone(model: DictConfig, tokenizer,
     checkpoint carries (its backbone's T5Config as a dict), for a backbone whose weights come from
     that checkpoint: a pretrained one is then built from it, without its folder or the hub."""
     # `model.attn_implementation` (sdpa by default, as in transformers: fused kernels on GPUs, or
-    # eager): the decoders' own attention structures hold under both (decoders.base.run_decoder).
+    # eager): the decoders' own attention structures hold under both (decoders.backbone.run_decoder).
     if model.name == "t5-tiny":  # its architecture is the configuration's
         config = T5Config(vocab_size=len(tokenizer), d_model=model.d_model, d_ff=model.d_ff,
                           d_kv=model.d_kv, num_heads=model.num_heads, num_layers=model.num_layers,

@@ -3,7 +3,7 @@ runs validation and test in) without a non-finite logit, and mostly as in float3
 
 Masks are additive `finfo(dtype).min` values, finite in every dtype and each added once (the
 structure goes in as the attention mask, with a zero `position_bias`: see
-`decoders.base.run_decoder`), so even a query that sees no key (a padding column) gets finite
+`decoders.backbone.run_decoder`), so even a query that sees no key (a padding column) gets finite
 scores, a uniform and ignored attention, never the NaN of a softmax over -inf. The hook below would
 see a NaN or an inf reach the vocabulary logits.
 """
