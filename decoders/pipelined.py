@@ -42,12 +42,22 @@ Decoding is batched and cached: per call each example feeds its running subseque
 padded to the batch's largest count (B, R); the key/value cache grows by R columns per call;
 padding columns lie in no query's past (`Grid`), so no mask is kept for them. Finished examples
 are dropped from the batch and the cache.
+
+Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), one `_step` per time step
+(lines 4-13: `_starts_at` is the start schedule; `_columns` gathers the running subsequences, one
+decoder call, `_append` writes their tokens back, `_drop_done` ends examples), `_output` (line 14).
+Between steps the state is a `State`: per live example a `Live` (each slot's `SlotFields`,
+may_start, output_length, the cache's key positions) and host-side counts; what the whole batch
+shares is a `Batch`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+from transformers import T5ForConditionalGeneration
+from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
@@ -56,7 +66,7 @@ from decoders.backbone import (encode, gather_self_attention_cache, new_cache, o
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, read_back
 
-# slot states in decoding; RUNNING sorts first, so a stable argsort of the states lists an
+# slot statuses in decoding; RUNNING sorts first, so a stable argsort of the statuses lists an
 # example's running slots first, in subsequence order
 RUNNING, WAITING, DONE = 0, 1, 2
 # the stopping rules (module docstring)
@@ -79,6 +89,15 @@ class Grid:
     @classmethod
     def of_layout(cls, layout: dict, padding_index: int) -> "Grid":
         return cls(layout["subsequence"].masked_fill(~layout["valid"], padding_index), layout["offset"])
+
+    def packed(self) -> torch.Tensor:
+        """(B, 2, N): both fields in one tensor, so that one cat appends and one gather moves
+        them (`of_packed` names them again, as views)."""
+        return torch.stack([self.subsequence, self.offset], 1)
+
+    @classmethod
+    def of_packed(cls, packed: torch.Tensor) -> "Grid":
+        return cls(*packed.unbind(1))
 
 
 def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
@@ -110,6 +129,84 @@ def attention_bias(table: torch.Tensor, query: Grid, key: Grid) -> torch.Tensor:
     return table[di, dj].permute(0, 3, 1, 2)
 
 
+# ---- decoding state ----------------------------------------------------------------------------
+
+class SlotFields(NamedTuple):
+    """A slot's fields (subsequence i = slot i), each (B', n). They travel stacked in this order
+    as one (B', 3, n) tensor, so that one gather reads and one scatter writes all three;
+    `SlotFields(*packed.unbind(1))` names them again (views, no copy)."""
+
+    token: torch.Tensor    # the token it feeds next: b, then the token it emitted last
+    offset: torch.Tensor   # j of that token
+    status: torch.Tensor   # RUNNING, WAITING or DONE
+
+
+class Live(NamedTuple):
+    """Per live example, one row each (B' rows, in input order): `LiveRows.drop_finished` drops a
+    done example's row from every field at once. Packed fields are read through the properties."""
+
+    slots: torch.Tensor           # (B', 3, max_subsequences) SlotFields, packed; written in place
+    may_start: torch.Tensor       # (B',) bool: it may start more subsequences
+    output_length: torch.Tensor   # (B',) its output's tokens as the flat layout counts them
+    packed_keys: torch.Tensor     # (B', 2, N) grid positions of the cache's columns (`Grid.packed`)
+    encoder_states: torch.Tensor  # (B', source_len, d_model)
+    attention_mask: torch.Tensor  # (B', source_len)
+
+    @property
+    def slot_fields(self) -> SlotFields:
+        return SlotFields(*self.slots.unbind(1))
+
+    @property
+    def keys(self) -> Grid:
+        return Grid.of_packed(self.packed_keys)
+
+
+class State(NamedTuple):
+    """Decoding's state before a step; a step returns the next one (`_replace`)."""
+
+    live: Live
+    running: list[int]    # host: subsequences each live example runs at this step
+    fed: list[int]        # host: columns each live example has in the cache
+    originals: list[int]  # host: each live example's row in the batch
+
+
+class Columns(NamedTuple):
+    """A step's R columns per live example: its running slots, in subsequence order, then padding
+    (other slots, whose stale fields no real query sees and which are written back unchanged)."""
+
+    index: torch.Tensor   # (B', 3, R) each column's slot, expanded over the packed fields
+    slot: SlotFields      # (B', R) each: that slot's fields
+    valid: torch.Tensor   # (B', R) bool: a running slot
+    query: Grid           # (B', R) its grid position; padding at subsequence `max_subsequences`
+
+
+@dataclass
+class Batch:
+    """What one `generate` keeps beside its `State`: fixed for the batch, or written in place."""
+
+    model: T5ForConditionalGeneration
+    table: torch.Tensor          # `structure_table` of the slot and offset bounds
+    cache: EncoderDecoderCache
+    rows: LiveRows
+    # per example (rows leave the batch; this stays), read back once at the end: each slot's
+    # tokens, CUT where an emitted token did not fit the output bound. (B, slots + 1, length + 1)
+    produced: torch.Tensor
+    calls: list[int]             # host: decoder calls per example
+    batch_calls: int = 0
+    cells_by_counts: dict = field(default_factory=dict)   # running counts -> `running_cells`
+
+    def running_cells(self, running: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(live, column) indices, (n,) each, of the running columns: the first running[b] of
+        each row b. Built once per distinct counts, from the host."""
+        key = tuple(running)
+        if key not in self.cells_by_counts:
+            device = self.produced.device
+            self.cells_by_counts[key] = (
+                torch.tensor([b for b, count in enumerate(running) for _ in range(count)], device=device),
+                torch.tensor([c for count in running for c in range(count)], device=device))
+        return self.cells_by_counts[key]
+
+
 @register("pipelined")
 class PipelinedDecoder(Decoder):
     decode_options = ("max_subsequences", "max_subsequence_length", "max_length", "max_steps",
@@ -128,9 +225,9 @@ class PipelinedDecoder(Decoder):
         self.max_subsequences = max_subsequences
         self.max_subsequence_length = max_subsequence_length
         self.max_length = max_length
-        # the last slot starts at step (slots - 1) * delay and runs at most max_subsequence_length
+        # the last slot starts at `_last_start` and runs at most max_subsequence_length steps
         self.max_steps = (max_steps if max_steps is not None
-                          else (max_subsequences - 1) * delay + max_subsequence_length)
+                          else self._last_start() + max_subsequence_length)
         self.stop_rule = stop_rule
 
     # -- layout and loss -----------------------------------------------------------------------
@@ -195,22 +292,13 @@ class PipelinedDecoder(Decoder):
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        return self.decode(model, input_ids, attention_mask)[0]
-
-    def decode(self, model, input_ids, attention_mask, use_cache: bool = True,
-               record_logits: bool = False, cache_trace: list | None = None):
-        """Algorithm 1. Returns (DecodeOutput, logits) where logits, if recorded, maps
-        (example, subsequence, offset) -> the (vocab,) logits computed for that position.
-
-        `use_cache=False` recomputes every step from all tokens fed so far; it exists so tests can
-        check the cached path against a plain recomputation. `cache_trace`, if given, receives
-        (cache length, tokens each live example fed, columns appended so far) after every call
-        (for tests of the bound below).
+        """Algorithm 1, top to bottom: encode, one `_step` per time step until every example is
+        done or `max_steps`, then the output.
 
         The cache stays lean: each call appends R columns per example (R = the batch's largest
         running count), padding where an example runs fewer. When the cache holds more columns
         than the fullest live example fed (its widest example changed or finished), every
-        example's fed columns are packed to the front and the rest cropped: after every call,
+        example's fed columns are packed to the front and the rest cropped: before every call,
         cache length = most tokens any live example fed. (Rare: usually the example running most
         subsequences stays the fullest.)
 
@@ -221,139 +309,146 @@ class PipelinedDecoder(Decoder):
         flags are derived from, are read back once, at the end. At batch size 1 on a CPU these ops,
         not the model, are what a call costs beyond sequential's, so there are as few as possible.
         """
-        device, batch_size, delay = input_ids.device, input_ids.size(0), self.delay
-        slots, length, eos = self.max_subsequences, self.max_subsequence_length, self.special.eos
+        batch, state = self._start(model, input_ids, attention_mask)
+        for step in range(self.max_steps):
+            state = self._step(batch, state, step)
+            if state is None:
+                break
+        # the examples still live after the last step were cut by max_steps
+        return self._output(batch, set() if state is None else set(state.originals))
+
+    def _starts_at(self, step: int) -> bool:
+        """Whether subsequence step/d starts at `step` (in the examples that may start one):
+        subsequence i starts at step i*d, while slots remain."""
+        return step % self.delay == 0 and step <= self._last_start()
+
+    def _last_start(self) -> int:
+        """The step at which the last slot's subsequence starts."""
+        return (self.max_subsequences - 1) * self.delay
+
+    def _start(self, model, input_ids, attention_mask) -> tuple[Batch, State]:
+        """Lines 1-3: encode the input once; every slot waits, nothing is fed yet."""
+        device, batch_size = input_ids.device, input_ids.size(0)
+        slots, length = self.max_subsequences, self.max_subsequence_length
         # padding columns have subsequence index `slots` (Grid); offsets reach `length` (a slot
         # that ran its full length, gathered as a padding column)
-        table = structure_table(past_distance_bias_table(model, slots + length), delay, slots, length)
+        table = structure_table(past_distance_bias_table(model, slots + length), self.delay, slots, length)
         encoder_states = encode(model, input_ids, attention_mask)
-        cache = new_cache() if use_cache else None
-        rows = LiveRows(batch_size, device)
+        cache, rows = new_cache(), LiveRows(batch_size, device)
 
         def full(shape, value, dtype=torch.long):
             return torch.full(shape, value, dtype=dtype, device=device)
-        # per live example and slot (subsequence i = slot i), (B', 3, slots): the token it feeds
-        # next, its offset j, its state
-        slot_fields = torch.stack([full((batch_size, slots), self.special.start),
-                                   full((batch_size, slots), 0), full((batch_size, slots), WAITING)], 1)
-        may_start = full((batch_size,), True, torch.bool)     # first_empty: cleared by an empty one
-        output_length = full((batch_size,), 0)                 # tokens as the flat layout counts them
-        # keys fed so far, (B', 3, N): token, subsequence (`slots` for padding), offset
-        keys = full((batch_size, 3, 0), 0)
-        # per original example (rows leave the batch; this stays), read back once at the end: each
-        # slot's tokens, CUT where an emitted token did not fit the output bound; padding columns
-        # write into a scratch slot (index `slots`) and a scratch offset (`length`)
+        every_slot = (batch_size, slots)
+        live = Live(slots=torch.stack(SlotFields(token=full(every_slot, self.special.start),
+                                                 offset=full(every_slot, 0),
+                                                 status=full(every_slot, WAITING)), 1),
+                    may_start=full((batch_size,), True, torch.bool),
+                    output_length=full((batch_size,), 0),
+                    packed_keys=full((batch_size, 2, 0), 0),
+                    encoder_states=encoder_states, attention_mask=attention_mask)
+        # padding columns write into a scratch slot (index `slots`) and a scratch offset (`length`)
         produced = full((batch_size, slots + 1, length + 1), NOT_PRODUCED)
-        logits_seen: dict = {}
-        batch_calls = 0
-        originals = list(range(batch_size))   # host: each live example's original row
-        calls = [0] * batch_size              # host: decoder calls per original example
-        ran_out_of_steps = [False] * batch_size
-        counts = [1] * batch_size   # host: running subsequences per live example at this step
-        fed = [0] * batch_size      # host: tokens each live example has in the cache
-        appended = 0                # host: cache columns appended, padding included
-        columns: dict = {}          # counts -> (live, column) of the running columns, built once
+        batch = Batch(model, table, cache, rows, produced, calls=[0] * batch_size)
+        # slot 0 starts at step 0 in every example
+        return batch, State(live, running=[1] * batch_size, fed=[0] * batch_size,
+                            originals=list(range(batch_size)))
 
-        for step in range(self.max_steps):
-            # 1. start subsequence step/d in every example that may still start one
-            if step % delay == 0 and step // delay < slots:
-                slot_fields[:, 2, step // delay].masked_fill_(may_start, RUNNING)
-            width = max(counts)
-            if width == 0:
-                # with delay > 1 every live example may wait for its next start: no call; the
-                # live examples (none is stopped: those finished) start one at the next start
-                starts = (step + 1) % delay == 0 and (step + 1) // delay < slots
-                counts = [int(starts)] * len(counts)
-                continue
-            # the running columns (the first counts[b] of row b) get vocabulary logits: their indices
-            # come from the host-side counts, not from a `nonzero` that would wait. Made here, before
-            # this call's work is queued: on a GPU, a copy from the host waits for the queue.
-            if tuple(counts) not in columns:
-                columns[tuple(counts)] = (
-                    torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], device=device),
-                    torch.tensor([c for n in counts for c in range(n)], device=device))
-            live, column = columns[tuple(counts)]
-            # 2. each example's running slots, in subsequence order, then its others: R columns
-            order = torch.argsort(slot_fields[:, 2], dim=1, stable=True)[:, :width]     # (B', R)
-            order_fields = order[:, None].expand(-1, 3, -1)                              # (B', 3, R)
-            token, offset, state = slot_fields.gather(2, order_fields).unbind(1)        # (B', R) each
-            valid = state == RUNNING
-            query = Grid(order.masked_fill(~valid, slots), offset)
-            # a padding column feeds its slot's stale token: no real query sees it (Grid)
-            keys = torch.cat([keys, torch.stack([token, query.subsequence, offset], 1)], 2)
+    def _step(self, batch: Batch, state: State, step: int) -> State | None:
+        """Lines 4-13 at time step `step`, for every live example: start subsequence step/d where
+        it may, give every running subsequence its next token in ONE decoder call, drop the
+        examples that are done. Returns the next step's state, or None when none is left."""
+        live = state.live
+        if self._starts_at(step):                                                       # lines 5-7
+            live.slot_fields.status[:, step // self.delay].masked_fill_(live.may_start, RUNNING)
+        width = max(state.running)
+        if width == 0:
+            # with delay > 1 every live example may wait for its next start: no call; the live
+            # examples (none is stopped: those finished) start one at the next start
+            return state._replace(running=[int(self._starts_at(step + 1))] * len(state.running))
+        # the running columns (the first running[b] of row b) get vocabulary logits: their indices
+        # come from the host-side counts, not from a `nonzero` that would wait. Made here, before
+        # this call's work is queued: on a GPU, a copy from the host waits for the queue.
+        cells = batch.running_cells(state.running)
+        columns = self._columns(live, width)
+        keys = torch.cat([live.packed_keys, columns.query.packed()], 2)                 # (B', 2, N)
+        bias = attention_bias(batch.table, columns.query, Grid.of_packed(keys))        # line 8
+        hidden = run_decoder(batch.model, columns.slot.token, bias, live.encoder_states,
+                             live.attention_mask, batch.cache)                         # (B', R, d)
+        logits = output_logits(batch.model, hidden[cells])                             # (n, vocab)
+        emitted = columns.slot.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: stale
+        batch.batch_calls += 1
+        for b, count in enumerate(state.running):
+            batch.calls[state.originals[b]] += int(count > 0)
+        live = self._append(batch, live._replace(packed_keys=keys), columns, emitted)  # lines 9-11
+        return self._drop_done(batch, state._replace(live=live), step)                # lines 12-13
 
-            # 3. one decoder call for all running subsequences of all live examples
-            if use_cache:
-                bias = attention_bias(table, query, Grid(keys[:, 1], keys[:, 2]))
-                hidden = run_decoder(model, token, bias, encoder_states, attention_mask, cache)
-            else:
-                key = Grid(keys[:, 1], keys[:, 2])
-                bias = attention_bias(table, key, key)
-                hidden = run_decoder(model, keys[:, 0], bias, encoder_states, attention_mask)[:, -width:]
-            # vocabulary logits only at the running columns
-            logits = output_logits(model, hidden[live, column])              # (n, vocab)
-            emitted = token.index_put((live, column), logits.argmax(-1))     # (B', R); padding: stale
-            batch_calls += 1
-            appended += width
-            for b, count in enumerate(counts):
-                calls[originals[b]] += int(count > 0)
-            if record_logits:   # tests only: the reads here are syncs
-                cells = zip([originals[b] for b in live.tolist()], order[live, column].tolist(),
-                            offset[live, column].tolist())
-                for cell, position_logits in zip(cells, logits):
-                    logits_seen[cell] = position_logits.clone()
+    def _columns(self, live: Live, width: int) -> Columns:
+        """This step's `width` columns per live example: its running slots in subsequence order
+        (RUNNING sorts first and the sort is stable), then others as padding."""
+        order = torch.argsort(live.slot_fields.status, dim=1, stable=True)[:, :width]  # (B', R)
+        index = order[:, None].expand(-1, len(SlotFields._fields), -1)                  # (B', 3, R)
+        slot = SlotFields(*live.slots.gather(2, index).unbind(1))                       # (B', R) each
+        valid = slot.status == RUNNING
+        # a padding column feeds its slot's stale token: no real query sees it (Grid)
+        return Columns(index, slot, valid, Grid(order.masked_fill(~valid, self.max_subsequences),
+                                                slot.offset))
 
-            # 4. keep the tokens that fit the example's output bound (in subsequence order: the
-            # columns are), write them back to their slots and update the slots' states
-            ended = (emitted == eos) & valid
-            empty = ended & (offset == 0)
-            counted = valid & ~empty                 # the empty terminator's end is no output
-            fits = (output_length[:, None] + counted.cumsum(1) <= self.max_length) & valid
-            over = (valid & ~fits).any(1)            # (B',) the output was cut here
-            output_length = output_length + (fits & ~empty).sum(1)
-            finished = ended | (offset + 1 >= length) | over[:, None]
-            slot_fields.scatter_(2, order_fields, torch.stack(
-                [emitted, offset + valid, torch.where(finished & valid, DONE, state)], 1))
-            produced[rows.index[:, None], query.subsequence, offset] = torch.where(fits, emitted, CUT)
-            # a cut output starts nothing more (under all_end nothing of it runs: it is done);
-            # under first_empty an empty subsequence stops new starts
-            stops = (over | empty.any(1)) if self.stop_rule == FIRST_EMPTY else over
-            may_start = may_start & ~stops
+    def _append(self, batch: Batch, live: Live, columns: Columns, emitted: torch.Tensor) -> Live:
+        """Lines 9-11: append each running subsequence's token, as far as the example's output
+        bound allows, in subsequence order (the columns'); update the slots and may_start."""
+        slot, valid = columns.slot, columns.valid
+        ended = (emitted == self.special.eos) & valid
+        empty = ended & (slot.offset == 0)
+        counted = valid & ~empty                 # the empty terminator's end is no output
+        fits = (live.output_length[:, None] + counted.cumsum(1) <= self.max_length) & valid
+        over = (valid & ~fits).any(1)            # (B',) the output was cut here
+        output_length = live.output_length + (fits & ~empty).sum(1)
+        finished = ended | (slot.offset + 1 >= self.max_subsequence_length) | over[:, None]
+        live.slots.scatter_(2, columns.index, torch.stack(SlotFields(
+            emitted, slot.offset + valid, torch.where(finished & valid, DONE, slot.status)), 1))
+        batch.produced[batch.rows.index[:, None], columns.query.subsequence, slot.offset] = \
+            torch.where(fits, emitted, CUT)
+        # a cut output starts nothing more (under all_end nothing of it runs: it is done);
+        # under first_empty an empty subsequence stops new starts
+        stops = (over | empty.any(1)) if self.stop_rule == FIRST_EMPTY else over
+        return live._replace(may_start=live.may_start & ~stops, output_length=output_length)
 
-            # 5. drop the examples that are done (first_empty: nothing running and nothing left to
-            # start; all_end: nothing running, whatever could still start); read back, in the same
-            # transfer, how many subsequences each kept example runs at the next step
-            still_running = slot_fields[:, 2] == RUNNING
-            done = ~still_running.any(1)
-            if self.stop_rule == FIRST_EMPTY and step < (slots - 1) * delay:
-                done = done & ~may_start
-            running_next = still_running.sum(1)
-            if (step + 1) % delay == 0 and (step + 1) // delay < slots:
-                running_next = running_next + may_start
-            kept = rows.drop_finished(done, cache, encoder_states, attention_mask, slot_fields,
-                                      may_start, output_length, keys, also=running_next)
-            if kept is None:
-                break
-            encoder_states, attention_mask, slot_fields, may_start, output_length, keys = kept
-            originals = [originals[b] for b in rows.kept]
-            fed = [fed[b] + counts[b] for b in rows.kept]
-            counts = rows.values
-            if use_cache and keys.size(2) > max(fed):
-                # pack each example's fed columns to the front (stable: their order is kept) and
-                # crop the padding every example has past its own
-                padding = (keys[:, 1] == slots).to(torch.int8)
-                order = torch.argsort(padding, dim=1, stable=True)[:, :max(fed)]
-                gather_self_attention_cache(cache, order)
-                keys = keys.gather(2, order[:, None].expand(-1, 3, -1))
-            if cache_trace is not None and use_cache:
-                cache_trace.append((cache.get_seq_length(), list(fed), appended))
-        else:
-            for b in originals:
-                ran_out_of_steps[b] = True   # max_steps reached
+    def _drop_done(self, batch: Batch, state: State, step: int) -> State | None:
+        """Lines 12-13: drop the examples that are done (first_empty: nothing running and nothing
+        left to start; all_end: nothing running, whatever could still start), reading back in the
+        same transfer how many subsequences each kept example runs at the next step."""
+        live = state.live
+        still_running = live.slot_fields.status == RUNNING
+        done = ~still_running.any(1)
+        if self.stop_rule == FIRST_EMPTY and step < self._last_start():   # a start is still due
+            done = done & ~live.may_start
+        running_next = still_running.sum(1)
+        if self._starts_at(step + 1):
+            running_next = running_next + live.may_start
+        kept = batch.rows.drop_finished(done, batch.cache, *live, also=running_next)
+        if kept is None:
+            return None
+        fed = [state.fed[b] + state.running[b] for b in batch.rows.kept]
+        state = State(Live(*kept), running=batch.rows.values, fed=fed,
+                      originals=[state.originals[b] for b in batch.rows.kept])
+        if state.live.packed_keys.size(2) > max(fed):
+            state = state._replace(live=self._packed(batch, state.live, max(fed)))
+        return state
 
-        # The bound flags, from the tokens: a slot cut at max_subsequence_length wrote a last
-        # token that is not e; an output cut by max_length holds a CUT.
-        tokens = produced[:, :slots, :length]                               # (B, slots, length)
+    def _packed(self, batch: Batch, live: Live, most_fed: int) -> Live:
+        """Pack each example's fed columns to the front of the cache and its keys (stable: their
+        order is kept), and crop the padding every example has past its own."""
+        padding = (live.keys.subsequence == self.max_subsequences).to(torch.int8)      # (B', N)
+        order = torch.argsort(padding, dim=1, stable=True)[:, :most_fed]               # (B', N')
+        gather_self_attention_cache(batch.cache, order)
+        return live._replace(packed_keys=live.packed_keys.gather(2, order[:, None].expand(-1, 2, -1)))
+
+    def _output(self, batch: Batch, cut_by_max_steps: set[int]) -> DecodeOutput:
+        """Line 14: every example's non-empty subsequences, in order, and what it took. The bound
+        flags come from the tokens: a slot cut at max_subsequence_length wrote a last token that
+        is not e; an output cut by max_length holds a CUT."""
+        slots, delay, eos = self.max_subsequences, self.delay, self.special.eos
+        tokens = batch.produced[:, :slots, :self.max_subsequence_length]   # (B, slots, length)
         produced_length = (tokens >= 0).sum(-1)                             # (B, slots)
         last = tokens[:, :, -1]
         hit_bound = ((last >= 0) & (last != eos)).any(1) | (tokens == CUT).flatten(1).any(1)
@@ -364,15 +459,14 @@ class PipelinedDecoder(Decoder):
         tokens, produced_length, hit_bound = read_back(tokens, produced_length, hit_bound)
         # Under all_end an example takes part in a call at every step until it is done, so one
         # with more calls than slots*d still ran at step slots*d, whose exploration found no slot.
-        cut_by_slots = [self.stop_rule == ALL_END and n > slots * delay for n in calls]
-        output = DecodeOutput(
-            subsequences=[self._subsequences(rows_, lengths)
-                          for rows_, lengths in zip(tokens, produced_length)],
-            decoder_calls=calls, tokens=[sum(lengths) for lengths in produced_length],
-            hit_max_steps=[bool(h) or steps or slots_ for h, steps, slots_
-                           in zip(hit_bound, ran_out_of_steps, cut_by_slots)],
-            batch_decoder_calls=batch_calls)
-        return output, logits_seen
+        cut_by_slots = [self.stop_rule == ALL_END and n > slots * delay for n in batch.calls]
+        return DecodeOutput(
+            subsequences=[self._subsequences(rows, lengths)
+                          for rows, lengths in zip(tokens, produced_length)],
+            decoder_calls=batch.calls, tokens=[sum(lengths) for lengths in produced_length],
+            hit_max_steps=[bool(hit_bound[b]) or b in cut_by_max_steps or cut_by_slots[b]
+                           for b in range(len(batch.calls))],
+            batch_decoder_calls=batch.batch_calls)
 
     def _subsequences(self, slots: list[list[int]], lengths: list[int]) -> list[list[int]]:
         """One example's non-empty subsequences, in slot order: empty slots (the terminator,

@@ -1,4 +1,5 @@
-"""Pipelined decoder: hand-checked layout, training/decoding agreement, cache, batching."""
+"""Pipelined decoder: hand-checked layout, training/decoding agreement, the cached, batched decoding
+against the plain one (`tests.reference_decoding`), cache, batching, bounds."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,10 +7,12 @@ import torch.nn.functional as F
 from decoders import build_decoder, decoder_class, pipelined as pipelined_module
 from decoders.backbone import (encode, hidden_mask, output_logits, relative_position_bias,
                                run_decoder)
+from decoders.loop import LiveRows
 from decoders.pipelined import ALL_END, FIRST_EMPTY, Grid, attention_bias, structure_table
 from tasks.config import ConfigError, compose
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
+from tests.reference_decoding import reference_decode
 
 pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
 
@@ -99,12 +102,58 @@ def test_delay_two_visibility():
     assert visible[4, :4].tolist() == [True, True, True, False]
 
 
-def check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask):
+def observed_generate(monkeypatch, decoder, model, input_ids, attention_mask):
+    """`decoder.generate`, observed through the module-level names its loop calls (the loop runs
+    unchanged): `LiveRows` tells each live row's example, `attention_bias` each column's grid
+    position, `run_decoder` the cache, `output_logits` the logits of the running columns, row by
+    row in column order (the order of `nonzero`).
+
+    Returns (DecodeOutput, logits, calls): logits maps (example, subsequence, offset) -> (vocab,)
+    logits; calls lists, per decoder call, (cache length before it, most columns a live example
+    had fed before it, columns appended before it, padding included)."""
+    seen = {"logits": {}, "calls": [], "appended": 0}
+    padding = decoder.max_subsequences   # a padding column's subsequence (`Grid`)
+
+    class ObservedRows(LiveRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            seen["rows"] = self
+
+    def observed_bias(table, query, keys):
+        seen["query"], seen["keys"] = query, keys
+        return attention_bias(table, query, keys)
+
+    def observed_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache):
+        # the keys include this call's columns
+        fed = (seen["keys"].subsequence != padding).sum(1) - (seen["query"].subsequence != padding).sum(1)
+        seen["calls"].append((cache.get_seq_length(), int(fed.max()), seen["appended"]))
+        seen["appended"] += input_ids.size(1)
+        return run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache)
+
+    def observed_logits(model, hidden):
+        logits = output_logits(model, hidden)                                       # (n, vocab)
+        query = seen["query"]
+        row, column = (query.subsequence != padding).nonzero(as_tuple=True)         # (n,) each
+        cells = zip(seen["rows"].index[row].tolist(), query.subsequence[row, column].tolist(),
+                    query.offset[row, column].tolist())
+        for cell, position_logits in zip(cells, logits, strict=True):
+            seen["logits"][cell] = position_logits
+        return logits
+
+    with monkeypatch.context() as patch:
+        for name, observed in (("LiveRows", ObservedRows), ("attention_bias", observed_bias),
+                               ("run_decoder", observed_run_decoder), ("output_logits", observed_logits)):
+            patch.setattr(pipelined_module, name, observed)
+        out = decoder.generate(model, input_ids, attention_mask)
+    return out, seen["logits"], seen["calls"]
+
+
+def check_decode_equals_teacher_forcing(monkeypatch, model, decoder, input_ids, attention_mask):
     """Feed each decoded example back through the training forward; every logit must agree.
 
     A subsequence cut at `max_subsequence_length` never had its last token fed, so its layout gets
     one token less; an example that stopped at `max_subsequences` has no terminator position."""
-    out, seen = decoder.decode(model, input_ids, attention_mask, record_logits=True)
+    out, seen, _ = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)
     cut = decoder.max_subsequence_length
     for b in range(input_ids.size(0)):
         targets = [s[:-1] if len(s) == cut else s for s in out.subsequences[b]]
@@ -125,18 +174,18 @@ def check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mas
 
 @pytest.mark.parametrize("delay", [1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_decoding_equals_teacher_forced_forward_random_model(delay, seed):
+def test_decoding_equals_teacher_forced_forward_random_model(delay, seed, monkeypatch):
     model = tiny_t5(seed)
     decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=100)
     def writes(input_ids, attention_mask):
         """some non-empty subsequence to check beyond the first position"""
         return any(decoder.generate(model, input_ids, attention_mask).subsequences)
     input_ids, attention_mask = first_batch_where(writes, 6, seed=seed + 5)
-    check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask)
+    check_decode_equals_teacher_forcing(monkeypatch, model, decoder, input_ids, attention_mask)
 
 
 @pytest.mark.parametrize("delay", [1, 2, 3])
-def test_decoding_equals_teacher_forced_forward_trained_model(delay):
+def test_decoding_equals_teacher_forced_forward_trained_model(delay, monkeypatch):
     model = trained_model(delay)
     decoder = pipelined(model, delay=delay, max_subsequences=6, max_subsequence_length=6, max_steps=100)
 
@@ -145,53 +194,78 @@ def test_decoding_equals_teacher_forced_forward_trained_model(delay):
         out = decoder.generate(model, input_ids, attention_mask)
         return max(len(s) for s in out.subsequences) >= 2 and not all(out.hit_max_steps)
     input_ids, attention_mask = first_batch_where(several_and_ended, 6, max_len=9, seed=55, tries=50)
-    check_decode_equals_teacher_forcing(model, decoder, input_ids, attention_mask)
+    check_decode_equals_teacher_forcing(monkeypatch, model, decoder, input_ids, attention_mask)
+
+
+def assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask):
+    """The cached, batched decoding and the plain one (`tests.reference_decoding`) give the same
+    output, every field of it, and the same logits at every position, to float64 rounding."""
+    out, logits, _ = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)
+    plain, plain_logits = reference_decode(decoder, model, input_ids, attention_mask)
+    assert out == plain
+    assert logits.keys() == plain_logits.keys()
+    for key in logits:
+        scale = plain_logits[key].abs().max().item()
+        torch.testing.assert_close(logits[key], plain_logits[key], atol=1e-10 * scale, rtol=0)
+    return out
 
 
 @pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
-@pytest.mark.parametrize("delay", [1, 2])
-def test_cached_decode_equals_uncached_recomputation(delay, stop_rule):
-    model = tiny_t5(2)
+@pytest.mark.parametrize("delay", [1, 2, 3])
+@pytest.mark.parametrize("trained", [False, True])
+def test_decoding_equals_the_plain_reference(trained, delay, stop_rule, monkeypatch):
+    model = trained_model(delay) if trained else tiny_t5(2)
     decoder = pipelined(model, delay=delay, max_subsequences=4, max_subsequence_length=6, max_steps=30,
                         stop_rule=stop_rule)
     def several(input_ids, attention_mask):
         """an output of several subsequences, so that cached columns of earlier ones are read"""
+        return max(len(s) for s in decoder.generate(model, input_ids, attention_mask).subsequences) >= 2
+    input_ids, attention_mask = first_batch_where(several, 4, max_len=9, seed=9, tries=50)
+    assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
+
+
+# One bound each, tight enough to cut outputs of the trained models (decoding 6 slots of 6 tokens).
+BOUNDS = {"max_subsequences": 2, "max_subsequence_length": 2, "max_length": 5, "max_steps": 3}
+
+
+@pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
+@pytest.mark.parametrize("delay", [1, 2])
+@pytest.mark.parametrize("bound", list(BOUNDS))
+def test_bounds_equal_the_plain_reference(bound, delay, stop_rule, monkeypatch):
+    """Not vacuous by construction: in the batch, the bound changes an output, and an example
+    ends by itself."""
+    model = trained_model(delay)
+    options = dict(delay=delay, stop_rule=stop_rule, max_subsequences=6, max_subsequence_length=6)
+    decoder, unbounded = pipelined(model, **{**options, bound: BOUNDS[bound]}), pipelined(model, **options)
+
+    def binds(input_ids, attention_mask):
+        """the bound changes an output, and an example ends by itself"""
         out = decoder.generate(model, input_ids, attention_mask)
-        return max(len(s) for s in out.subsequences) >= 2
-    input_ids, attention_mask = first_batch_where(several, 4, seed=9, tries=50)
-    cached, cached_logits = decoder.decode(model, input_ids, attention_mask, record_logits=True)
-    plain, plain_logits = decoder.decode(model, input_ids, attention_mask, use_cache=False,
-                                         record_logits=True)
-    assert cached.subsequences == plain.subsequences
-    assert cached.decoder_calls == plain.decoder_calls
-    assert cached_logits.keys() == plain_logits.keys()
-    for key in cached_logits:
-        scale = plain_logits[key].abs().max().item()
-        torch.testing.assert_close(cached_logits[key], plain_logits[key], atol=1e-10 * scale, rtol=0)
+        return (out.subsequences != unbounded.generate(model, input_ids, attention_mask).subsequences
+                and not all(out.hit_max_steps))
+    input_ids, attention_mask = first_batch_where(binds, 6, max_len=9, seed=40, tries=50)
+    assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
 
 
-def test_cache_holds_no_more_columns_than_the_fullest_example_fed():
+def test_cache_holds_no_more_columns_than_the_fullest_example_fed(monkeypatch):
     """Each call appends the batch's largest running count of columns to every example; padding
-    past the fullest live example's columns is packed away, so after every call the cache length
-    equals the most tokens a live example fed (stated in `decode`). Not vacuous by construction:
+    past the fullest live example's columns is packed away, so before every call the cache length
+    equals the most tokens a live example fed (stated in `generate`). Not vacuous by construction:
     the batch is chosen so that the columns appended (what the cache would hold unpacked) exceed
     that at some call, which happens when the example running most subsequences changes or
     finishes first."""
     model = trained_model(1)
     decoder = pipelined(model, delay=1, max_subsequences=2, max_subsequence_length=6, max_steps=40)
 
-    def decode(input_ids, attention_mask):
-        trace: list = []
-        return decoder.decode(model, input_ids, attention_mask, cache_trace=trace)[0], trace
-
     def outgrows(input_ids, attention_mask):
         """unpacked, the cache would hold padding past the fullest example's columns"""
-        return any(appended > max(fed) for _, fed, appended in decode(input_ids, attention_mask)[1])
+        calls = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)[2]
+        return any(appended > fed for _, fed, appended in calls)
     input_ids, attention_mask = first_batch_where(outgrows, 8, max_len=9, seed=12, tries=200)
-    out, trace = decode(input_ids, attention_mask)
-    assert all(length == max(fed) for length, fed, _ in trace)
-    unpacked, _ = decoder.decode(model, input_ids, attention_mask, use_cache=False)
-    assert out.subsequences == unpacked.subsequences  # packing changes no output
+    _, _, calls = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)
+    assert all(length == fed for length, fed, _ in calls)
+    # packing changes no output
+    assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
 
 
 @pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
