@@ -11,7 +11,7 @@ from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
 from tasks.bench.sync_points import bounded
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
-pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
 
 def under(model, implementation: str):

@@ -10,7 +10,7 @@ from tasks.config import compose
 from tasks.runs.trainer import decoder_options
 from tests.conftest import SPECIAL, first_batch_where, random_batch, tiny_t5
 
-pytestmark = pytest.mark.float64  # outputs compared across bounds: see tests/conftest.py
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
 
 def decoder_at(name: str, model, bound: int, like=None):

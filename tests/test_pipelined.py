@@ -14,7 +14,7 @@ from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly
                             first_batch_where, random_batch, tiny_t5)
 from tests.reference_decoding import reference_decode
 
-pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
 
 def pipelined(model, **options):

@@ -171,7 +171,7 @@ def test_pretrain_then_fit_from_its_checkpoint(tmp_path):
     assert run.data.params["data_report.kp.train.texts"] == "24"
     assert {i.dataset.name for i in run.inputs.dataset_inputs} == {"kp", "qa"}
     validation = [m.value for m in client.get_metric_history(run.info.run_id, "val/loss")]
-    assert len(validation) == 4 and validation[-1] < validation[0] - 0.2
+    assert len(validation) == 4 and validation[-1] < validation[0] - 0.1
     assert client.get_metric_history(run.info.run_id, "train/loss")
 
     checkpoint = load_checkpoint(str(out))  # weights_only, as train.init_from loads it

@@ -20,7 +20,7 @@ from tasks.experiments import prototokens
 from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
-pytestmark = pytest.mark.float64  # equivalence tests: see tests/conftest.py
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
 TARGETS = [[[5, 6], [7]], [[8]], [[9, 10, 11], [12, 13]], [[14]]]  # -100-padded to different widths
 
