@@ -261,7 +261,10 @@ class PipelinedDecoder(Decoder):
         all_end: explorations from step m*d on fail at their start step, and decoding ends at the
         last real end token (the step at which nothing is left running); every step before it has
         a call. Subsequence i can only start if one before it still runs at step i*d - 1: if not,
-        the output cannot be produced (None)."""
+        the output cannot be produced (None). The count is that of the output written with no
+        failed exploration between its subsequences, the fewest calls that write it: where an
+        exploration failed while an earlier subsequence still ran, the later ones start in later
+        slots and decoding takes more calls than its output shows."""
         delay = self.delay
         if self.stop_rule == FIRST_EMPTY:
             spans = [len(sub) + 1 for sub in subsequences] + [1]
