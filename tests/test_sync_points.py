@@ -8,6 +8,7 @@ import torch
 
 from decoders import available, build_decoder
 from tasks.bench import sync_points
+from tests.conftest import first_batch_where
 
 pytestmark = pytest.mark.numerics  # decodes random models: see docs/testing.md
 
@@ -33,12 +34,11 @@ def test_pipelined_under_the_paper_stop_rule_too():
     decoder = build_decoder("pipelined", model.config, sync_points.SPECIAL, stop_rule="all_end",
                             **sync_points.bounded("pipelined", 16))
     with torch.no_grad():
-        for seed in range(1, 31):   # inputs that take several calls, so the loop runs
-            input_ids, attention_mask = sync_points.random_inputs(8, model.config.vocab_size, seed)
-            if decoder.generate(model, input_ids, attention_mask).batch_decoder_calls >= 2:
-                break   # that decode was the warm-up, as in `counted`
-        else:
-            pytest.fail("none of the input batches 1..30 takes 2 or more decoder calls")
+        def several_calls(input_ids, attention_mask):
+            """a batch that takes 2 or more decoder calls, so the loop runs (this decode is also
+            the warm-up, as in `counted`)"""
+            return decoder.generate(model, input_ids, attention_mask).batch_decoder_calls >= 2
+        input_ids, attention_mask = first_batch_where(several_calls, 8, seed=1)
         with sync_points.counting_sync_points() as counter:
             out = decoder.generate(model, input_ids, attention_mask)
     assert counter.count <= out.batch_decoder_calls + 2
