@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from tasks import compare, test as test_entry
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, plan,
                                    training_label, user_sets)
-from tasks.comparison.report import plot_sweep, sweep_series
+from tasks.comparison import report
+from tasks.comparison.report import judge, markdown, plot_sweep, sweep_series
 from tasks.config import ConfigError, compose
 from tasks.runs.trainer import build
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
@@ -39,8 +40,10 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
         assert ROW_KEYS <= set(row)
         assert "present_f1_at_M" in row["quality"] and "examples_per_second" not in row["quality"]
     sequential = written["rows"][0]
-    assert sequential["speedup_bs1"] == pytest.approx(1.0)
-    for row in written["rows"][1:]:
+    for row in written["rows"]:  # a briefly trained model may have learned nothing: no speedup then
+        if row["not_learned"] or sequential["not_learned"]:
+            assert row["speedup_bs1"] is None and row["speedup_batch"] is None
+            continue
         assert row["speedup_bs1"] == pytest.approx(row["examples_per_second_bs1"]
                                                    / sequential["examples_per_second_bs1"])
         assert row["speedup_batch"] == pytest.approx(row["examples_per_second_batch"]
@@ -51,9 +54,10 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     assert references[1] == references[2] < references[0]
 
     table = out.with_suffix(".md").read_text()
-    assert "| sequential |" in table and "speedup bs1" in table
+    assert "| sequential" in table and "speedup bs1" in table
     plots = sorted(p.name for p in tmp_path.glob("cmp_*.png"))
-    assert plots == ["cmp_quality_vs_speed.png", "cmp_speedup_vs_subsequences.png",
+    timed = any(row["speedup_bs1"] is not None for row in written["rows"][1:])
+    assert plots == ["cmp_quality_vs_speed.png", *["cmp_speedup_vs_subsequences.png"] * timed,
                      "cmp_vs_max_subsequence_length.png"]
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -65,7 +69,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     assert roles == ["row", "row", "row", "summary"]
     for run in runs:
         if run.data.tags["role"] == "row":
-            assert "test/speedup_bs1" in run.data.metrics and "test/present_f1_at_M" in run.data.metrics
+            assert "test/examples_per_second_bs1" in run.data.metrics
+            assert "test/present_f1_at_M" in run.data.metrics
         else:
             artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
             assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png",
@@ -336,3 +341,61 @@ def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
     # without a sequential row there is no speedup to draw: quality alone
     plot_sweep(series, "delay", "present_f1_at_M", None, 16, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- rows that learned nothing --------------------------------------------------------------------
+
+def judged_rows(*rows: tuple[str, float, int]) -> dict:
+    """A keyphrase comparison's JSON with rows (decoder, present F1@M, bound hits of 10), examples/s
+    10 for sequential and 20 for the others, judged."""
+    def entry(decoder: str, quality: float, hits: int) -> dict:
+        speed = 10.0 if decoder == "sequential" else 20.0
+        return {"decoder": decoder, "label": decoder, "training": "own", "options": {},
+                "quality": {"present_f1_at_M": quality}, "examples_per_second_bs1": speed,
+                "examples_per_second_batch": speed, "speedup_bs1": speed / 10,
+                "speedup_batch": speed / 10, "decoder_calls_per_example": 3.0,
+                "reference_calls_per_example": 3.0, "tokens_per_call": 1.0, "bound_hits": hits,
+                "bound_hit_fraction": hits / 10, "peak_memory_mb": 1.0, "trained_parameters": 5,
+                "fit_seconds": 1.0}
+    return judge({"task": "keyphrase", "data": "builtin", "model": "t5-tiny", "device": "cpu",
+                  "threads": 1, "flush_denormal": True, "eval_batch_size": 4,
+                  "memory": "heap", "rows": [entry(*row) for row in rows]})
+
+
+def test_a_row_that_learned_nothing_is_named_and_gets_no_speedup():
+    learned = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 4))
+    assert [r["not_learned"] for r in learned["rows"]] == [None, None]
+    assert [r["speedup_bs1"] for r in learned["rows"]] == [1.0, 2.0]
+
+    zero, bound = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0),
+                              ("blockwise", 0.3, 5))["rows"][1:]
+    assert zero["not_learned"] == "present_f1_at_M is 0"
+    assert bound["not_learned"] == "50% of its outputs run to the length bound"
+    assert zero["speedup_bs1"] is bound["speedup_batch"] is None
+    assert zero["examples_per_second_bs1"] == 20.0  # the measurement stays; only the ratio goes
+
+    table = markdown(judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0)))
+    assert "| pipelined (not learned) | own |" in table
+    assert "- pipelined learned nothing: present_f1_at_M is 0" in table
+
+
+def test_no_row_gets_a_speedup_when_sequential_learned_nothing():
+    result = judged_rows(("sequential", 0.1, 9), ("pipelined", 0.4, 0))
+    assert result["rows"][1]["not_learned"] is None
+    assert all(r["speedup_bs1"] is None and r["speedup_batch"] is None for r in result["rows"])
+    assert "sequential's speed, which learned nothing" in markdown(result)
+
+
+def test_a_table_is_written_again_from_its_json(tmp_path):
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0))
+    for entry in result["rows"]:  # as a JSON written before rows were judged
+        del entry["not_learned"]
+        entry["speedup_bs1"] = 2.0
+    del result["primary_metric"]
+    path = tmp_path / "cmp.json"
+    path.write_text(json.dumps(result))
+    report.main([str(path)])
+    rewritten = json.loads(path.read_text())
+    assert rewritten["primary_metric"] == "present_f1_at_M"
+    assert rewritten["rows"][1]["speedup_bs1"] is None
+    assert path.with_suffix(".md").read_text() == markdown(rewritten)

@@ -1,8 +1,17 @@
 """A comparison's results: the JSON (one entry per row, speedups over sequential), its markdown
 table, and the plots (speedup against target subsequences, quality against speed, and per swept
-option quality and speedup against its value)."""
+option quality and speedup against its value).
+
+A row whose model learned nothing is said to be so in the table, and gets no speedup: its outputs
+are degenerate, so its speed is not a decoder's. Neither does any row when sequential's model
+learned nothing, since a speedup is a ratio to sequential's speed.
+
+    python -m tasks.comparison.report FILE.json   # FILE.md written again from FILE.json
+"""
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -10,6 +19,40 @@ from omegaconf import DictConfig
 
 from tasks.comparison.measure import reference_calls_per_example, trained_parameters
 from tasks.comparison.plan import Row, row_label
+from tasks.module import TASK_MODULES
+
+# a model whose outputs mostly run to the length bound never learned to end them
+NOT_LEARNED_BOUND_SHARE = 0.5
+
+
+def primary_metric(task: str) -> str:
+    """The quality that picks a task's best checkpoint, as the JSON's quality keys name it."""
+    return TASK_MODULES[task].primary_metric.split("/", 1)[1]
+
+
+def not_learned(entry: dict, primary: str) -> str | None:
+    """Why the row's model learned nothing, or None when it learned something: its primary quality
+    is zero, or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
+    if entry["quality"].get(primary) == 0.0:
+        return f"{primary} is 0"
+    share = entry["bound_hit_fraction"]
+    if share is not None and share >= NOT_LEARNED_BOUND_SHARE:
+        return f"{share:.0%} of its outputs run to the length bound"
+    return None
+
+
+def judge(result: dict) -> dict:
+    """`result` with each row's `not_learned` reason set, and the speedups of a row that learned
+    nothing, or of every row when sequential learned nothing, taken away (None)."""
+    primary = result.setdefault("primary_metric", primary_metric(result["task"]))
+    rows = result["rows"]
+    for entry in rows:
+        entry["not_learned"] = not_learned(entry, primary)
+    reference = next((e for e in rows if e["decoder"] == "sequential"), None)
+    for entry in rows:
+        if reference is None or entry["not_learned"] or reference["not_learned"]:
+            entry["speedup_bs1"] = entry["speedup_batch"] = None
+    return result
 
 
 def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict:
@@ -45,11 +88,12 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
         out_rows.append(entry)
     data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
     device = timing["device"]
-    return {"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
-            "threads": threads, "flush_denormal": timing["flush_denormal"],
-            "eval_batch_size": cfg.eval.batch_size,
-            "memory": "CUDA max allocated" if device.startswith("cuda")
-            else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)", "rows": out_rows}
+    return judge({"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
+                  "threads": threads, "flush_denormal": timing["flush_denormal"],
+                  "eval_batch_size": cfg.eval.batch_size,
+                  "memory": "CUDA max allocated" if device.startswith("cuda")
+                  else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)",
+                  "rows": out_rows})
 
 
 def markdown(result: dict) -> str:
@@ -65,7 +109,8 @@ def markdown(result: dict) -> str:
             "fit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [r["label"], r["training"], *(fmt(r["quality"][k]) for k in shown),
+        label = f"{r['label']} (not learned)" if r.get("not_learned") else r["label"]
+        cells = [label, r["training"], *(fmt(r["quality"][k]) for k in shown),
                  fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
@@ -78,7 +123,11 @@ def markdown(result: dict) -> str:
     caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
                f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
                f"memory = {result['memory']}")
-    return caption + "\n\n" + "\n".join(lines) + "\n"
+    notes = [f"- {r['label']} learned nothing: {r['not_learned']}; its speed is not a decoder's, so "
+             f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
+    if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
+        notes.append("- speedups are ratios to sequential's speed, which learned nothing: none is given")
+    return caption + "\n\n" + "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def pyplot():
@@ -150,12 +199,13 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
     plt = pyplot()
     paths = []
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
-    if reference is not None:
+    # the rows that have speedups (`judge`): none where sequential learned nothing
+    timed = [row for row, entry in zip(rows, result["rows"])
+             if row is not reference and entry["speedup_bs1"] is not None]
+    if timed:
         counts = [len(e.target_ids) for e in reference.datamodule.dataset("test").examples]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for row in rows:
-            if row is reference:
-                continue
+        for row in timed:
             by_count: dict[int, list[float]] = {}
             for n, ref_t, t in zip(counts, reference.latencies, row.latencies):
                 by_count.setdefault(n, []).append(ref_t / t)
@@ -171,7 +221,7 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    primary = rows[0].module.primary_metric.split("/", 1)[1]
+    primary = result["primary_metric"]
     for r in result["rows"]:
         ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0))
         ax.annotate(r["label"], (r["examples_per_second_bs1"], r["quality"].get(primary, 0.0)))
@@ -188,3 +238,18 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
         plot_sweep(sweep_series(rows, result["rows"], option, primary), option, primary,
                    reference_quality, result["eval_batch_size"], paths[-1])
     return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="write a comparison's FILE.md again from its "
+                                                 "FILE.json (with its rows judged as learned or not)")
+    parser.add_argument("result", help="FILE.json written by tasks.compare")
+    path = Path(parser.parse_args(argv).result)
+    result = judge(json.loads(path.read_text()))
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown(result))
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
