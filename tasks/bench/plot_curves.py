@@ -4,8 +4,8 @@
         [--tracking-uri sqlite:///mlruns/mlflow.db]
 
 Each metric's full history is read from the tracking store and drawn against the training step;
-a run that lacks a metric is left out of that panel. Used for the pretraining comparison in the
-README (fits on kp20k with and without `train.init_from`).
+a run that lacks a metric is left out of that panel. Used for the pretraining comparison of
+docs/pretraining.md (fits on kp20k with and without `train.init_from`).
 """
 import argparse
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The commands behind the README's "Results" tables (CPU; THREADS=N sets the torch threads, default 2).
-# Run from the repository root:
+# The commands behind the tables in results/ (CPU; THREADS=N sets the torch threads, default 2).
+# Run from the repository root. The real-text entries read JSONL folders (the library's schema)
+# under DATA: $DATA/kp20k, $DATA/cnndm, $DATA/pubmed, $DATA/multispanqa.
 #
 #   tasks/bench/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
 #   tasks/bench/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
 #   tasks/bench/run_benchmarks.sh qa                 # the same on built-in multi-span QA
-#   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on ../shared/data/kp20k
+#   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on $DATA/kp20k
 #   tasks/bench/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
 #   tasks/bench/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
 #   tasks/bench/run_benchmarks.sh cnndm              # real text: sequential, pipelined, blockwise trained on
-#                                                # ../shared/data/cnndm, 35 minutes of training per decoder
-#   tasks/bench/run_benchmarks.sh pretrain           # tasks.experiments.pretrain on the four ../shared/data text folders
+#                                                # $DATA/cnndm, 35 minutes of training per decoder
+#   tasks/bench/run_benchmarks.sh pretrain           # tasks.experiments.pretrain on the four $DATA text folders
 #   tasks/bench/run_benchmarks.sh kp20k-pretrained C # sequential and pipelined fitted on kp20k from
 #                                                # pretrained checkpoint C (train.init_from)
 #   tasks/bench/run_benchmarks.sh delay-sweep TASK [S] # the paper's delay study: one pipelined model per
@@ -34,6 +35,10 @@
 # sequential is compared; its table's `training` column says so). Checkpoints are in
 # mlruns/artifacts/<run id>/checkpoints/; each run's `tested_checkpoint` tag names the one tested.
 set -euo pipefail
+case "${1:-}" in  # the real-text entries
+    kp20k | cnndm* | pretrain | kp20k-pretrained)
+        : "${DATA:?set DATA to the folder that holds the JSONL folders kp20k/, cnndm/, pubmed/, multispanqa/}" ;;
+esac
 SPEED="--speed-examples 100 --repeats 3 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false"
 SWEEP="--sweep decoder.iterations=1,2,4,10"
 case "${1:-}" in
@@ -42,30 +47,30 @@ case "${1:-}" in
             $SPEED --out results/builtin_keyphrase.json ;;
     kp20k)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
-            $SPEED data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 \
+            $SPEED data=jsonl data.path="$DATA/kp20k" data.max_eval_examples=200 \
             --out results/kp20k.json ;;
     cnndm-calls)  # long limits: no reference is cut
         python -m tasks.experiments.reference_calls --task summarization --decoders sequential,pipelined,nar \
-            --sweep decoder.delay=1,2 data=jsonl data.path=../shared/data/cnndm \
+            --sweep decoder.delay=1,2 data=jsonl data.path="$DATA/cnndm" \
             data.max_target_length=1024 data.max_subsequences=64 --out results/cnndm_reference_calls.json ;;
     cnndm-baselines)
-        python -m tasks.experiments.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \
+        python -m tasks.experiments.baselines --task summarization data=jsonl data.path="$DATA/cnndm" \
             --out results/cnndm_baselines.json ;;
     cnndm)  # cnndm.yaml's limits (data=jsonl gets the defaults), source cut to 320 tokens, a time budget
         python -m tasks.compare --task summarization --decoders sequential,pipelined,blockwise \
             --speed-examples 50 --repeats 1 --threads ${THREADS:-2} eval.batch_size=16 \
-            trainer.enable_progress_bar=false data=jsonl data.path=../shared/data/cnndm \
+            trainer.enable_progress_bar=false data=jsonl data.path="$DATA/cnndm" \
             data.max_source_length=320 data.max_target_length=200 data.max_subsequences=8 \
             data.max_subsequence_length=64 data.max_eval_examples=200 \
             trainer.max_epochs=40 trainer.max_time=00:00:35:00 --out results/cnndm.json ;;
     pretrain)  # 2000 texts per folder at most, cut to 127 tokens, 8 epochs
         python -m tasks.experiments.pretrain \
-            --data ../shared/data/cnndm,../shared/data/kp20k,../shared/data/pubmed,../shared/data/multispanqa \
+            --data "$DATA/cnndm","$DATA/kp20k","$DATA/pubmed","$DATA/multispanqa" \
             data.max_train_examples=2000 data.max_eval_examples=100 data.max_target_length=128 \
             trainer.max_epochs=8 trainer.enable_progress_bar=false --out mlruns/pretrained/t5-tiny-denoiser.ckpt ;;
     kp20k-pretrained)  # C: a tasks.experiments.pretrain checkpoint; compare with the kp20k entry (random init)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined $SPEED \
-            data=jsonl data.path=../shared/data/kp20k data.max_eval_examples=200 train.init_from="$2" \
+            data=jsonl data.path="$DATA/kp20k" data.max_eval_examples=200 train.init_from="$2" \
             --out results/kp20k_pretrained.json ;;
     delay2)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined --sweep decoder.delay=2 \

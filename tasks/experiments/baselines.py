@@ -1,6 +1,6 @@
 """ROUGE of two summarization reference points, scored exactly as the trained decoders' outputs are.
 
-    python -m tasks.experiments.baselines --task summarization data=jsonl data.path=../shared/data/cnndm \\
+    python -m tasks.experiments.baselines --task summarization data=jsonl data.path=DIR \\
         [--out results/cnndm_baselines.json] [key=value ...]
 
 On the test split (its first data.max_eval_examples, if set), two summaries that need no model:

@@ -1,6 +1,6 @@
 """Length statistics of datasets, tokenized as training tokenizes them, to set the data limits from.
 
-    python -m tasks.experiments.data_stats --data ../shared/data [--pretrained DIR] [--builtin] [--out FILE.json]
+    python -m tasks.experiments.data_stats --data DIR [--pretrained DIR] [--builtin] [--out FILE.json]
 
 For every folder under --data that holds train/validation/test.jsonl (its task read off the first
 record's fields) and, with --builtin, the built-in corpus of every task: all splits encoded by the

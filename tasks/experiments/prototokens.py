@@ -6,7 +6,7 @@
         [--seed 0] [--out prototokens.json] [key=value ...]
 
 Mezentsev & Oseledets, "Exploring the Hidden Capacity of LLMs for One-Step Text Generation"
-(shared/papers/001_5664f3ae68b6ae6c.txt), Sections 3-4, on an encoder-decoder: the checkpoint's
+(2025), Sections 3-4, on an encoder-decoder: the checkpoint's
 backbone (sequential layout) is frozen; for each of the first N examples of the split, its flat
 target (s_1 <sep> ... </s>, what the sequential decoder is trained on) is cut to each length L
 (an example shorter than L is left out of that length). The decoder's input embeddings are replaced
