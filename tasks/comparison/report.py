@@ -6,7 +6,7 @@ A row whose model learned nothing is said to be so in the table, and gets no spe
 are degenerate, so its speed is not a decoder's. Neither does any row when sequential's model
 learned nothing, since a speedup is a ratio to sequential's speed.
 
-    python -m tasks.comparison.report FILE.json   # FILE.md written again from FILE.json
+    python -m tasks.comparison.report FILE.json   # FILE.md and FILE_quality_vs_speed.png again
 """
 from __future__ import annotations
 
@@ -96,6 +96,12 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
                   "rows": out_rows})
 
 
+def data_name(data: str) -> str:
+    """How a table names its data: a source by its name, a JSONL folder by its own name (where
+    it lay on the machine that measured is no concern of the reader's)."""
+    return f"the JSONL folder {Path(data).name}" if "/" in data else data
+
+
 def markdown(result: dict) -> str:
     """The table: F-measures and ROUGE shown, precision/recall left to the JSON."""
     shown = [k for k in result["rows"][0]["quality"]
@@ -120,7 +126,7 @@ def markdown(result: dict) -> str:
                  fmt(r["fit_seconds"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
-    caption = (f"{result['task']} on {result['data']}, model {result['model']}, {result['device']}, "
+    caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, {result['device']}, "
                f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
                f"memory = {result['memory']}")
     notes = [f"- {r['label']} learned nothing: {r['not_learned']}; its speed is not a decoder's, so "
@@ -195,6 +201,26 @@ def plot_sweep(series: dict[str, dict[str, list]], option: str, primary: str,
     plt.close(fig)
 
 
+def plot_quality_vs_speed(result: dict, path: Path) -> None:
+    """Each row's primary quality against its examples per second at batch size 1, one marker per
+    row named in the legend (labels written beside close points would overlap)."""
+    plt = pyplot()
+    primary = result["primary_metric"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    markers = "osD^vP*Xh<>p"
+    for i, r in enumerate(result["rows"]):
+        label = f"{r['label']} (not learned)" if r.get("not_learned") else r["label"]
+        ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0), s=50,
+                   marker=markers[i % len(markers)], label=label)
+    ax.set_xlabel("examples per second (batch size 1)")
+    ax.set_ylabel(primary)
+    ax.set_title(f"{result['task']} on {data_name(result['data'])}, {result['model']}", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
     plt = pyplot()
     paths = []
@@ -220,18 +246,10 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    primary = result["primary_metric"]
-    for r in result["rows"]:
-        ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0))
-        ax.annotate(r["label"], (r["examples_per_second_bs1"], r["quality"].get(primary, 0.0)))
-    ax.set_xlabel("examples per second (batch size 1)")
-    ax.set_ylabel(primary)
-    fig.tight_layout()
     paths.append(stem.with_name(stem.name + "_quality_vs_speed.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    plot_quality_vs_speed(result, paths[-1])
 
+    primary = result["primary_metric"]
     reference_quality = None if reference is None else reference.quality[primary]
     for option in dict.fromkeys(option for row in rows for option in row.swept):
         paths.append(stem.with_name(f"{stem.name}_vs_{option}.png"))
@@ -241,14 +259,17 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="write a comparison's FILE.md again from its "
-                                                 "FILE.json (with its rows judged as learned or not)")
+    parser = argparse.ArgumentParser(description="write a comparison's FILE.md and its quality "
+                                                 "against speed plot again from its FILE.json (with "
+                                                 "its rows judged as learned or not)")
     parser.add_argument("result", help="FILE.json written by tasks.compare")
     path = Path(parser.parse_args(argv).result)
     result = judge(json.loads(path.read_text()))
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {path} and {path.with_suffix('.md')}")
+    plot = path.with_name(path.stem + "_quality_vs_speed.png")
+    plot_quality_vs_speed(result, plot)
+    print(f"wrote {path}, {path.with_suffix('.md')} and {plot}")
 
 
 if __name__ == "__main__":
