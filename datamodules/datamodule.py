@@ -86,6 +86,17 @@ def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
     return kept
 
 
+def encode_sources(tokenizer, task: str, records: list[dict],
+                   max_source_length: int) -> tuple[list[list[int]], int]:
+    """Each record's source text as the encoder reads it: its token ids, cut to
+    `max_source_length` with the end token T5 appends to its input; and how many were cut."""
+    sources = tokenizer([schema_for(task).source_text(r) for r in records],
+                        add_special_tokens=False)["input_ids"]
+    limit = max_source_length - 1  # room for the end token
+    eos = tokenizer.eos_token_id
+    return [source[:limit] + [eos] for source in sources], sum(len(s) > limit for s in sources)
+
+
 class SubsequenceDataModule(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, tokenizer=None):
         super().__init__()
@@ -157,24 +168,18 @@ class SubsequenceDataModule(L.LightningDataModule):
         return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
 
     def _encode(self, records: list[dict]) -> tuple[list[Encoded], DataReport]:
-        schema = schema_for(self.task)
         report = DataReport(examples=len(records))
-        sources = self.tokenizer([schema.source_text(r) for r in records],
-                                 add_special_tokens=False)["input_ids"]
-        eos = self.tokenizer.eos_token_id
-        limit = self.data.max_source_length - 1  # room for the end token T5 appends to its input
+        sources, report.sources_truncated = encode_sources(self.tokenizer, self.task, records,
+                                                           self.data.max_source_length)
         examples = []
         for index, (record, source) in enumerate(zip(records, sources)):
             report.empty_sources += not has_source(self.task, record)
-            if len(source) > limit:
-                report.sources_truncated += 1
-                source = source[:limit]
             texts = target_texts(self.task, record)
             report.empty_targets += not texts
             subsequences = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
             targets = fit_targets(subsequences, self.data.max_target_length,
                                   self.data.max_subsequences, self.data.max_subsequence_length, report)
-            examples.append(Encoded(index, source + [eos], targets))
+            examples.append(Encoded(index, source, targets))
         return examples, report
 
     # -- batches ----------------------------------------------------------------------------------

@@ -61,17 +61,22 @@ def schema_for(task: str) -> TaskSchema:
     return SCHEMAS[task]
 
 
-def validate_record(task: str, record: object, where: str) -> dict:
-    """Check one record against the task's schema; `where` (e.g. 'train.jsonl line 7') goes into errors."""
+def validate_record(task: str, record: object, where: str, source_only: bool = False) -> dict:
+    """Check one record against the task's schema; `where` (e.g. 'train.jsonl line 7') goes into errors.
+    With `source_only`, only the source fields are checked (a record to predict the target of:
+    tasks.predict); its other fields are not looked at."""
     schema = schema_for(task)
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for name, kind in schema.fields.items():
+    fields = ({name: schema.fields[name] for name in schema.source_fields} if source_only
+              else schema.fields)
+    optional = {} if source_only else schema.optional_fields
+    for name, kind in fields.items():
         if name not in record:
-            raise DataError(f"{where}: missing field {name!r} (a {task} record needs "
-                            f"{', '.join(schema.fields)})")
+            raise DataError(f"{where}: missing field {name!r} (a {task} record "
+                            f"{'to predict from ' if source_only else ''}needs {', '.join(fields)})")
         _check_type(record[name], name, kind, where)
-    for name, kind in schema.optional_fields.items():
+    for name, kind in optional.items():
         if name in record:
             _check_type(record[name], name, kind, where)
     return record

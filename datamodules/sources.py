@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from omegaconf import DictConfig
 
@@ -26,6 +27,24 @@ def usable_folder(path, key: str, error: type[Exception]) -> Path:
     return folder
 
 
+def jsonl_values(handle: BinaryIO, name: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON value) of each non-blank line of a binary stream; a line that is
+    not UTF-8 or not JSON is a DataError naming `name` (the file) and the line."""
+    for number, raw in enumerate(handle, start=1):
+        where = f"{name} line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from err
+        yield number, value
+
+
 def read_jsonl(path: Path, task: str) -> list[dict]:
     """Read and validate one JSONL split (`<split>.jsonl`); errors name the file and line."""
     if not path.is_file():
@@ -35,19 +54,8 @@ def read_jsonl(path: Path, task: str) -> list[dict]:
                         f"{', '.join(present) or 'none'})")
     records, lines = [], []
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            where = f"{path} line {number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from err
-            records.append(validate_record(task, record, where))
+        for number, record in jsonl_values(handle, str(path)):
+            records.append(validate_record(task, record, f"{path} line {number}"))
             lines.append(number)
     if not records:
         raise DataError(f"split file {path} holds no records")

@@ -11,12 +11,16 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
+from typing import TextIO
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import move_data_to_device
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from datamodules.datamodule import process_group
@@ -177,6 +181,22 @@ class GenerationTask(BackboneTraining):
             }
         return predictions
 
+    def with_predictions(self, records: list[dict], batches, device: torch.device,
+                         desc: str) -> list[dict]:
+        """`records`, in order, with their target field replaced by the decoder's outputs:
+        `batches` (the data module's batches of `records`, `index` their positions) decoded on
+        `device` outside a trainer, which would move the module and the batches itself. A progress
+        bar `desc` on stderr shows when there is more than one batch."""
+        self.to(device)
+        self.eval()
+        field = schema_for(self.cfg.task.name).target_field
+        outputs: dict[int, list[str]] = {}
+        with torch.no_grad():
+            for batch in tqdm(batches, desc=desc, disable=len(batches) <= 1):
+                predictions = self.decode_batch(move_data_to_device(batch, device))
+                outputs.update(zip(batch["index"].tolist(), predictions))
+        return [{**record, field: outputs[i]} for i, record in enumerate(records)]
+
     def _eval_step(self, batch, split: str) -> None:
         predictions = self.decode_batch(batch)
         records = self.trainer.datamodule.records(split)
@@ -285,7 +305,15 @@ TASK_MODULES: dict[str, type[GenerationTask]] = {
 def write_jsonl(rows: list[dict], path) -> None:
     """Write rows to `path` through a temporary file, so no half-written file is left behind."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            dump_jsonl(rows, handle)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def dump_jsonl(rows: list[dict], handle: TextIO) -> None:
+    """Rows as JSON lines into an open text stream, non-ASCII characters as they are."""
+    for row in rows:
+        handle.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 
-from decoders import decoder_class
+from decoders import available, decoder_class
 from tasks.config import ConfigError, compose, to_yaml
+from tasks.module import GenerationTask
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint, stored_model
 from tasks.runs.tracking import default_run_name, open_tracking
-from tasks.runs.trainer import build, check_trainer, score_into_run
+from tasks.runs.trainer import build, build_module, check_trainer, score_into_run
 
 
 def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
@@ -40,9 +41,13 @@ def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
     checkpoint's decoder trained the backbone on."""
     stored = checkpoint["hyper_parameters"]["cfg"]
     trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
-    if not decoder_class(decoder).can_decode_checkpoint_of(decoder_class(trained_decoder)):
+    trained = decoder_class(trained_decoder)
+    if not decoder_class(decoder).can_decode_checkpoint_of(trained):
+        others = [name for name in available()
+                  if name != trained_decoder and decoder_class(name).can_decode_checkpoint_of(trained)]
+        also = f", or another decoder of its layout: {', '.join(others)}" if others else ""
         raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
-                          f"{decoder!r} cannot decode it (use decoder={trained_decoder})")
+                          f"{decoder!r} cannot decode it (use decoder={trained_decoder}{also})")
 
 
 def restore_as_trained(path: str):
@@ -53,19 +58,37 @@ def restore_as_trained(path: str):
 
 
 def restore(checkpoint: dict, path: str, cfg):
-    """Data, model and decoder for `cfg` (from `checkpoint_config`), with the checkpoint's weights.
-
-    Weights of modules the chosen decoder lacks (e.g. blockwise heads when decoding sequentially)
-    are ignored; every weight the model needs must be there."""
+    """Data, model and decoder for `cfg` (from `checkpoint_config`), with the checkpoint's weights
+    (`load_weights`)."""
     built = build(cfg, stored_model(checkpoint))
+    load_weights(built.module, checkpoint, path)
+    return built
+
+
+def restore_module(checkpoint: dict, path: str, cfg) -> GenerationTask:
+    """`restore`'s model and decoder, from the checkpoint alone: its stored tokenizer, no data read
+    (what decodes new inputs, tasks.predict)."""
+    stored = stored_model(checkpoint)
+    if stored.tokenizer is None:
+        raise ConfigError(f"checkpoint {path} carries no tokenizer (it was written before "
+                          f"checkpoints stored theirs); decode it with tasks.test, which loads one "
+                          f"as its data is read")
+    module = build_module(cfg, stored.tokenizer, stored.backbone_config)
+    load_weights(module, checkpoint, path)
+    return module
+
+
+def load_weights(module: GenerationTask, checkpoint: dict, path: str) -> None:
+    """The checkpoint's weights into `module`. Weights of modules the chosen decoder lacks (e.g.
+    blockwise heads when decoding sequentially) are ignored; every weight the model needs must be
+    there."""
     try:
-        missing, _ = built.module.load_state_dict(checkpoint["state_dict"], strict=False)
+        missing, _ = module.load_state_dict(checkpoint["state_dict"], strict=False)
     except RuntimeError as err:  # shapes differ: an option that sizes a module was changed
         raise ConfigError(f"checkpoint {path} does not fit the configured model (was an option "
                           f"that sizes a module changed?): {str(err).splitlines()[-1].strip()}") from err
     if missing:
         raise ConfigError(f"checkpoint {path} lacks weights the model needs: {missing[:5]}")
-    return built
 
 
 def main(argv: list[str] | None = None) -> dict:

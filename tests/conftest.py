@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random T5 (d_model 32, 2+2 layers) and its special tokens.
+"""Shared fixtures: a tiny random T5 (d_model 32, 2+2 layers) and its special tokens; a task
+module saved as a checkpoint without training (`save_checkpoint`).
 
 Equivalence tests (two code paths, one answer) run in float64: the tiny random models below are
 ill-conditioned on purpose (large init scale, so that outputs vary), and in float32 the rounding of
@@ -134,3 +135,13 @@ def assert_alone_equals_batched(decoder, model, input_ids, attention_mask):
         assert alone.decoder_calls[0] == batched.decoder_calls[i]
         assert alone.tokens[0] == batched.tokens[i]
     return batched
+
+
+def save_checkpoint(module, path) -> str:
+    """`module` saved as tasks.fit saves a checkpoint (configuration, weights, and what
+    `on_save_checkpoint` adds: decoder name, tokenizer, architecture), without training it: for the
+    readers of checkpoints (tasks.test, compare, predict), which must not rely on what it outputs."""
+    checkpoint = {"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, path)
+    return str(path)

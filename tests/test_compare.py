@@ -15,6 +15,7 @@ from tasks.comparison import report
 from tasks.comparison.report import judge, markdown, plot_sweep, sweep_series
 from tasks.config import ConfigError, compose
 from tasks.runs.trainer import build
+from tests.conftest import save_checkpoint
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 from tests.test_faults import fails_before_any_work
 
@@ -182,10 +183,7 @@ def test_a_checkpoint_row_is_scored_with_its_weights_under_the_plan(tmp_path, mo
     built = build(compose("keyphrase", "sequential", None, [*TINY, *tracking(tmp_path)]))
     with torch.no_grad():  # weights no freshly seeded model has
         built.module.backbone.lm_head.weight.mul_(-1)
-    checkpoint = {"hyper_parameters": dict(built.module.hparams), "state_dict": built.module.state_dict()}
-    built.module.on_save_checkpoint(checkpoint)
-    path = str(tmp_path / "sequential.ckpt")
-    torch.save(checkpoint, path)
+    path = save_checkpoint(built.module, tmp_path / "sequential.ckpt")
 
     monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
     result = compare.main(["--decoders", "sequential", "--ckpt", f"sequential={path}",

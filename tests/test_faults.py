@@ -182,7 +182,7 @@ def test_predictions_write_is_all_or_nothing(tmp_path):
     path = tmp_path / "predictions.jsonl"
     with pytest.raises(TypeError):
         write_jsonl([{"id": "a"}, {"id": object()}], path)  # the second row cannot be serialised
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
 
 
 # ---- bad input: a clear error before any expensive work -------------------------------------------

@@ -18,8 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from lightning.pytorch.utilities import move_data_to_device
-from tqdm.auto import tqdm
 
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
@@ -32,17 +30,10 @@ from tasks.test import checkpoint_config, restore
 
 def distilled_records(built, device: torch.device) -> list[dict]:
     """The training records, in order, with their targets replaced by the model's outputs decoded
-    on `device` (no trainer here moves the module or the batches)."""
-    datamodule, module = built.datamodule, built.module
-    module.to(device)
-    module.eval()
-    field = schema_for(module.cfg.task.name).target_field
-    outputs: dict[int, list[str]] = {}
-    with torch.no_grad():
-        for batch in tqdm(datamodule.ordered_loader("train"), desc="decoding the training split"):
-            predictions = module.decode_batch(move_data_to_device(batch, device))
-            outputs.update(zip(batch["index"].tolist(), predictions))
-    return [{**record, field: outputs[i]} for i, record in enumerate(datamodule.records("train"))]
+    on `device`."""
+    return built.module.with_predictions(built.datamodule.records("train"),
+                                         built.datamodule.ordered_loader("train"), device,
+                                         "decoding the training split")
 
 
 def main(argv: list[str] | None = None) -> dict:

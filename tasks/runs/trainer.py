@@ -46,11 +46,18 @@ def build(cfg: DictConfig, stored: StoredModel = StoredModel(), datamodule=None,
     if datamodule is None:
         datamodule = SubsequenceDataModule(cfg, tokenizer=stored.tokenizer)
     datamodule.setup()
-    backbone = build_backbone(cfg.model, datamodule.tokenizer, stored.backbone_config)
-    decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(datamodule.tokenizer),
+    return Built(datamodule, build_module(cfg, datamodule.tokenizer, stored.backbone_config,
+                                          module_class))
+
+
+def build_module(cfg: DictConfig, tokenizer, backbone_config: dict | None = None,
+                 module_class=None) -> GenerationTask:
+    """The backbone (of architecture `backbone_config` where given), the decoder and the task
+    module for `tokenizer`: the part of `build` that reads no data."""
+    backbone = build_backbone(cfg.model, tokenizer, backbone_config)
+    decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(tokenizer),
                             **decoder_options(cfg))
-    module = (module_class or TASK_MODULES[cfg.task.name])(cfg, backbone, decoder, datamodule.tokenizer)
-    return Built(datamodule, module)
+    return (module_class or TASK_MODULES[cfg.task.name])(cfg, backbone, decoder, tokenizer)
 
 
 def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> L.Trainer:

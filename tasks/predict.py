@@ -1,0 +1,96 @@
+"""Predict the targets of new records with a saved checkpoint, as JSON lines; no MLflow run.
+
+    python -m tasks.predict --ckpt PATH --input FILE.jsonl [--out FILE.jsonl] [--batch-size N]
+                            [key=value ...]
+
+Each input line is a record of the task's schema without its target: keyphrase `title` and
+`abstract`, qa `question` and `context`, summarization `document`; `id` and any other field are
+optional and kept as they are. Each record is written back, in input order, with its target field
+(`keyphrases`, `answers`, `summary`) set to the decoded subsequences, as tasks.test writes them.
+`--input -` reads standard input; without `--out` the records go to standard output (logs and the
+progress bar to standard error); `--out` is written under a temporary name, then renamed.
+
+The model, its tokenizer and its decoder come from the checkpoint alone: no data set is read, and a
+model trained on `data=jsonl data.path=DIR` predicts after DIR is gone. Overrides change the
+decoding as in tasks.test (`decoder.delay=2`, another decoder of the trained layout with
+`decoder=NAME`); sources longer than `data.max_source_length` are cut as in training;
+`--batch-size` sets `eval.batch_size`.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from datamodules.datamodule import Encoded, collate, encode_sources
+from datamodules.schema import DataError, schema_for, validate_record
+from datamodules.sources import jsonl_values, usable_folder
+from tasks.config import ConfigError, to_yaml
+from tasks.module import dump_jsonl, write_jsonl
+from tasks.run import base_parser, log, main_guard
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.trainer import decode_device
+from tasks.test import checkpoint_config, restore_module
+
+
+def read_inputs(path: str, task: str) -> list[dict]:
+    """The records of `path` (`-`: standard input), each checked to have the task's source fields;
+    an error names the file and the line."""
+    name = "standard input" if path == "-" else path
+    if path != "-" and not Path(path).is_file():
+        raise DataError(f"--input {path}: no such file")
+    with open(path, "rb") if path != "-" else nullcontext(sys.stdin.buffer) as handle:
+        records = [validate_record(task, record, f"{name} line {number}", source_only=True)
+                   for number, record in jsonl_values(handle, name)]
+    if not records:
+        fields = ", ".join(schema_for(task).source_fields)
+        raise DataError(f"{name} holds no records (one JSON object per line, with {fields})")
+    return records
+
+
+def batch_size_override(text: str | None) -> list[str]:
+    if text is None:
+        return []
+    if not (text.isdigit() and int(text) >= 1):
+        raise ConfigError(f"--batch-size must be an integer >= 1, got {text!r}")
+    return [f"eval.batch_size={int(text)}"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="a checkpoint written by tasks.fit")
+    parser.add_argument("--input", required=True, help="a JSONL file of records, or - for stdin")
+    parser.add_argument("--out", help="the JSONL file to write (default: standard output)")
+    parser.add_argument("--batch-size", help="decoding batch size (default: eval.batch_size)")
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
+    overrides = [*args.overrides, *batch_size_override(args.batch_size)]
+    checkpoint = load_checkpoint(args.ckpt)
+    cfg = checkpoint_config(checkpoint, args.ckpt, overrides, args.config)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return {}
+
+    device = decode_device(cfg)
+    records = read_inputs(args.input, cfg.task.name)
+    if args.out:
+        usable_folder(Path(args.out).parent, "--out's folder", ConfigError)
+    module = restore_module(checkpoint, args.ckpt, cfg)
+    sources, truncated = encode_sources(module.tokenizer, cfg.task.name, records,
+                                        cfg.data.max_source_length)
+    if truncated:
+        log.warning("%d of %d sources truncated to data.max_source_length=%d tokens", truncated,
+                    len(records), cfg.data.max_source_length)
+    examples = [Encoded(index, source, []) for index, source in enumerate(sources)]
+    size, pad = cfg.eval.batch_size, module.tokenizer.pad_token_id
+    batches = [collate(examples[start:start + size], pad) for start in range(0, len(examples), size)]
+    predicted = module.with_predictions(records, batches, device, "predicting")
+    if args.out:
+        write_jsonl(predicted, args.out)
+        log.info("wrote %d records to %s", len(predicted), args.out)
+    else:
+        dump_jsonl(predicted, sys.stdout)
+    return {"predictions": predicted, "out": args.out}
+
+
+if __name__ == "__main__":
+    main_guard(main)
