@@ -12,7 +12,7 @@ progress bar to standard error); `--out` is written under a temporary name, then
 
 The model, its tokenizer and its decoder come from the checkpoint alone: no data set is read, and a
 model trained on `data=jsonl data.path=DIR` predicts after DIR is gone. Overrides change the
-decoding as in tasks.test (`decoder.delay=2`, another decoder of the trained layout with
+decoding as in tasks.test (`decoder.stop_rule=all_end`, another decoder of the trained layout with
 `decoder=NAME`); sources longer than `data.max_source_length` are cut as in training;
 `--batch-size` sets `eval.batch_size`.
 """

@@ -70,9 +70,8 @@ def restore_module(checkpoint: dict, path: str, cfg) -> GenerationTask:
     (what decodes new inputs, tasks.predict)."""
     stored = stored_model(checkpoint)
     if stored.tokenizer is None:
-        raise ConfigError(f"checkpoint {path} carries no tokenizer (it was written before "
-                          f"checkpoints stored theirs); decode it with tasks.test, which loads one "
-                          f"as its data is read")
+        raise ConfigError(f"checkpoint {path} carries no tokenizer; decode it with tasks.test, "
+                          f"which loads one as its data is read")
     module = build_module(cfg, stored.tokenizer, stored.backbone_config)
     load_weights(module, checkpoint, path)
     return module
