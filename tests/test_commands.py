@@ -1,6 +1,7 @@
 """`python -m tasks` lists every command under its group with what it does, without importing any
 command; a listed command's --help works."""
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -83,3 +84,18 @@ def test_a_listed_command_shows_its_help_with_what_it_does(module, groups, capsy
     shown = capsys.readouterr().out
     assert shown.startswith("usage:")
     assert " ".join(does.split()) in " ".join(shown.split())  # argparse rewraps the description
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`python -m tasks.fit --print-config | head -1`: a closed pipe ends the command quietly. The
+    pipe here is closed before the command starts, so its first write fails."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tasks.fit", "--task", "keyphrase",
+                               "--print-config"], cwd=ROOT, stdout=write_end,
+                              stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert b"Traceback" not in done.stderr, done.stderr.decode()[-500:]
