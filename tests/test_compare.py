@@ -368,20 +368,21 @@ def test_a_row_that_learned_nothing_is_named_and_gets_no_speedup():
     zero, bound = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0),
                               ("blockwise", 0.3, 5))["rows"][1:]
     assert zero["not_learned"] == "present_f1_at_M is 0"
-    assert bound["not_learned"] == "50% of its outputs run to the length bound"
+    assert bound["not_learned"] == ("it never learned to end its outputs: 50% of them run to "
+                                    "the length bound")
     assert zero["speedup_bs1"] is bound["speedup_batch"] is None
     assert zero["examples_per_second_bs1"] == 20.0  # the measurement stays; only the ratio goes
 
     table = markdown(judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0)))
     assert "| pipelined (not learned) | own |" in table
-    assert "- pipelined learned nothing: present_f1_at_M is 0" in table
+    assert "- pipelined (not learned): present_f1_at_M is 0" in table
 
 
 def test_no_row_gets_a_speedup_when_sequential_learned_nothing():
     result = judged_rows(("sequential", 0.1, 9), ("pipelined", 0.4, 0))
     assert result["rows"][1]["not_learned"] is None
     assert all(r["speedup_bs1"] is None and r["speedup_batch"] is None for r in result["rows"])
-    assert "sequential's speed, which learned nothing" in markdown(result)
+    assert "ratios to sequential's speed, which is not a decoder's here" in markdown(result)
 
 
 def test_a_table_is_written_again_from_its_json(tmp_path):

@@ -2,9 +2,9 @@
 table, and the plots (speedup against target subsequences, quality against speed, and per swept
 option quality and speedup against its value).
 
-A row whose model learned nothing is said to be so in the table, and gets no speedup: its outputs
-are degenerate, so its speed is not a decoder's. Neither does any row when sequential's model
-learned nothing, since a speedup is a ratio to sequential's speed.
+A row whose model did not learn its task (`not_learned`) is marked so in the table and gets no
+speedup: its outputs are degenerate, so its speed is not a decoder's. Neither does any row when
+sequential's model did not learn, since a speedup is a ratio to sequential's speed.
 
     python -m tasks.comparison.report FILE.json   # FILE.md and FILE_quality_vs_speed.png again
 """
@@ -31,19 +31,19 @@ def primary_metric(task: str) -> str:
 
 
 def not_learned(entry: dict, primary: str) -> str | None:
-    """Why the row's model learned nothing, or None when it learned something: its primary quality
-    is zero, or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
+    """Why the row's model did not learn its task, or None when it did: its primary quality is
+    zero, or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
     if entry["quality"].get(primary) == 0.0:
         return f"{primary} is 0"
     share = entry["bound_hit_fraction"]
     if share is not None and share >= NOT_LEARNED_BOUND_SHARE:
-        return f"{share:.0%} of its outputs run to the length bound"
+        return f"it never learned to end its outputs: {share:.0%} of them run to the length bound"
     return None
 
 
 def judge(result: dict) -> dict:
-    """`result` with each row's `not_learned` reason set, and the speedups of a row that learned
-    nothing, or of every row when sequential learned nothing, taken away (None)."""
+    """`result` with each row's `not_learned` reason set, and the speedups of a row that did not
+    learn, or of every row when sequential did not learn, taken away (None)."""
     primary = result.setdefault("primary_metric", primary_metric(result["task"]))
     rows = result["rows"]
     for entry in rows:
@@ -129,10 +129,11 @@ def markdown(result: dict) -> str:
     caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, {result['device']}, "
                f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
                f"memory = {result['memory']}")
-    notes = [f"- {r['label']} learned nothing: {r['not_learned']}; its speed is not a decoder's, so "
+    notes = [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
              f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
-        notes.append("- speedups are ratios to sequential's speed, which learned nothing: none is given")
+        notes.append("- speedups are ratios to sequential's speed, which is not a decoder's here: "
+                     "none is given")
     return caption + "\n\n" + "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
