@@ -21,7 +21,14 @@ prepared beforehand. Timing runs on the device the trainer settings give (`train
 separate pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every
 millisecond), over its level before the decode. The device and the flushing are recorded with the
 results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
-speedup against its value), and a summary run to MLflow, all tagged with one comparison id.
+speedup against its value).
+
+In MLflow the comparison is one run, created before any row is fitted, with every row's run nested
+under it (`mlflow.parentRunId`), all tagged with one comparison id. It holds the table, its JSON and
+the plots as artifacts, the conditions of the timing as parameters, and per row (`<label>/...`) the
+shown quality, the speedups and the decoder calls per example as metrics. A failure or Ctrl-C
+anywhere marks it FAILED or KILLED. Links to it and to the rows side by side in the MLflow UI are
+printed at the end.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from datamodules.tokenizer import special_tokens
@@ -39,12 +47,13 @@ from tasks.comparison.measure import measure_speed
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential,
                                    parse_checkpoints, parse_decoders, parse_sweeps, plan,
                                    training_key, training_label, user_sets)
-from tasks.comparison.report import markdown, plots, report
+from tasks.comparison.report import markdown, plots, report, summary_metrics
 from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
 from tasks.run import base_parser, log, main_guard, write_report
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.tracking import check_tracking, open_tracking
+from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
+                                 open_tracking, run_link, run_status)
 from tasks.runs.trainer import Built, decode_device, decoder_options, score_into_run, train_and_test
 from tasks.test import restore
 
@@ -106,10 +115,10 @@ def load_checkpoints(planned: PlannedRows, checkpoints: dict[str, str]) -> dict[
     return loaded
 
 
-def score_row(cfg: DictConfig, built, tags: dict) -> Row:
+def score_row(cfg: DictConfig, built, tags: dict, callbacks: list) -> Row:
     """Decode and score the test split with an already-trained module, as a new MLflow run."""
     logger = open_tracking(cfg, f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}", tags=tags)
-    score_into_run(logger, cfg, built)
+    score_into_run(logger, cfg, built, callbacks=callbacks)
     return Row(cfg, built.module, built.datamodule, logger)
 
 
@@ -124,9 +133,10 @@ def with_decoder(cfg: DictConfig, trained) -> object:
 
 
 def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, str],
-             loaded: dict[str, dict], tags: dict) -> list[Row]:
+             loaded: dict[str, dict], tags: dict, callbacks: list) -> list[Row]:
     """Each row trained (or its model loaded from --ckpt, or shared with an earlier row that differs
-    only in decode-time options), then tested as its own MLflow run, in the plan's order."""
+    only in decode-time options), then tested as its own MLflow run with `tags`, in the plan's
+    order; `callbacks` join every trainer's."""
     trained: dict[str, tuple[Built, str]] = {}  # training key -> the model and its checkpoint
     sequential_checkpoint = None
     rows: list[Row | None] = [None] * len(planned)
@@ -140,13 +150,14 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
         row_tags = {**tags, "training": training}
         key = training_key(cfg)
         if key in trained:
-            row = score_row(cfg, with_decoder(cfg, trained[key][0]), row_tags)
+            row = score_row(cfg, with_decoder(cfg, trained[key][0]), row_tags, callbacks)
         elif name in checkpoints:
             trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
-            row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]})
+            row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
+                            callbacks)
         else:
             log.info("training %s (%s)", name, training)
-            result = train_and_test(cfg, tags=row_tags)
+            result = train_and_test(cfg, tags=row_tags, callbacks=callbacks)
             trained[key] = result.built, result.checkpoint
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
             row.fit_seconds = result.fit_seconds
@@ -170,20 +181,21 @@ def log_speeds(rows: list[Row], result: dict, conditions: dict) -> None:
         row.logger.log_hyperparams({f"speed.{key}": value for key, value in conditions.items()})
 
 
-def write_results(out: str, rows: list[Row], result: dict, conditions: dict, cfg: DictConfig,
-                  comparison_id: str) -> tuple[str, Path, list[Path]]:
-    """FILE.json, FILE.md and the plots, also kept as artifacts of the comparison's summary run;
-    returns the table, the JSON's path and the plots'."""
+def write_results(out: str, rows: list[Row], result: dict) -> tuple[str, list[Path]]:
+    """FILE.json, FILE.md and the plots; returns the table and the files' paths."""
     table = markdown(result)
     path = write_report(out, result, table)
-    images = plots(rows, result, path.with_suffix(""))
-    summary = open_tracking(cfg, f"comparison {comparison_id}",
-                            tags={"comparison_id": comparison_id, "role": "summary"})
-    summary.log_hyperparams(conditions)
-    for written in [path, path.with_suffix(".md"), *images]:
-        summary.experiment.log_artifact(summary.run_id, str(written))
-    summary.finalize("success")
-    return table, path, images
+    return table, [path, path.with_suffix(".md"), *plots(rows, result, path.with_suffix(""))]
+
+
+def log_comparison(comparison: MLFlowLogger, result: dict, conditions: dict,
+                   written: list[Path]) -> None:
+    """The comparison's own run: the timing's conditions, each row's summary metrics
+    (`summary_metrics`) and the written files."""
+    comparison.log_hyperparams(conditions)
+    comparison.log_metrics(summary_metrics(result))
+    for path in written:
+        comparison.experiment.log_artifact(comparison.run_id, str(path))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -202,16 +214,25 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
 
     comparison_id = uuid.uuid4().hex[:12]
-    rows = fit_rows(planned, starts, checkpoints, loaded,
-                    tags={"comparison_id": comparison_id, "role": "row"})
-    timing = measure_speed(rows, device, cfg.eval.batch_size, args.repeats, args.speed_examples)
-    result = report(rows, cfg, torch.get_num_threads(), timing)
-    conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
-    log_speeds(rows, result, conditions)
-    table, out, images = write_results(args.out, rows, result, conditions, cfg, comparison_id)
+    comparison = open_tracking(cfg, f"comparison {comparison_id}",
+                               tags={"comparison_id": comparison_id, "role": "comparison"})
+    # Lightning turns Ctrl-C into SystemExit: the rows' trainers tell the comparison what they saw
+    watcher = ExceptionWatcher()
+    with run_status(comparison, watcher):
+        tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
+        rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher])
+        timing = measure_speed(rows, device, cfg.eval.batch_size, args.repeats, args.speed_examples)
+        result = report(rows, cfg, torch.get_num_threads(), timing)
+        conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
+        log_speeds(rows, result, conditions)
+        table, written = write_results(args.out, rows, result)
+        log_comparison(comparison, result, conditions, written)
+    comparison.finalize("success")
     print(table)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {', '.join(map(str, images))}; comparison id "
-          f"{comparison_id}; total wall time {time.perf_counter() - started:.1f}s")
+    print(f"wrote {', '.join(map(str, written))}; comparison id {comparison_id}; total wall time "
+          f"{time.perf_counter() - started:.1f}s")
+    print(f"MLflow comparison run: {run_link(cfg, comparison)}")
+    print(f"its rows side by side: {compare_runs_link(cfg, [row.logger for row in rows])}")
     return result
 
 

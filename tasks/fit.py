@@ -14,7 +14,7 @@ import time
 from tasks.config import compose, to_yaml
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import find_resumable
-from tasks.runs.tracking import experiment_name
+from tasks.runs.tracking import experiment_name, run_link
 from tasks.runs.trainer import train_and_test
 
 LATEST = object()  # `--resume` without a run id
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("checkpoint: %s", result.checkpoint)
     log.info("MLflow run %s in experiment %r (%s); wall time %.1fs", result.logger.run_id,
              experiment_name(cfg), cfg.tracking.uri, time.perf_counter() - started)
+    log.info("in the MLflow UI: %s", run_link(cfg, result.logger))
     return {"run_id": result.logger.run_id, "checkpoint": result.checkpoint, "scores": result.scores}
 
 

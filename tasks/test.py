@@ -16,7 +16,7 @@ from tasks.config import ConfigError, compose, to_yaml
 from tasks.module import GenerationTask
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint, stored_model
-from tasks.runs.tracking import default_run_name, open_tracking
+from tasks.runs.tracking import default_run_name, open_tracking, run_link
 from tasks.runs.trainer import build, build_module, check_trainer, score_into_run
 
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     scores = built.module.test_scores
     log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(scores.items())))
     log.info("MLflow run %s; wall time %.1fs", logger.run_id, time.perf_counter() - started)
+    log.info("in the MLflow UI: %s", run_link(cfg, logger))
     return {"run_id": logger.run_id, "scores": scores}
 
 

@@ -1,5 +1,5 @@
-"""`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, MLflow runs by tag, plots; what a
---ckpt checkpoint must agree on with the plan."""
+"""`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, the comparison's MLflow run with the
+rows' runs nested under it, plots; what a --ckpt checkpoint must agree on with the plan."""
 import json
 from pathlib import Path
 
@@ -12,8 +12,9 @@ from tasks import compare, test as test_entry
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, plan,
                                    training_label, user_sets)
 from tasks.comparison import report
-from tasks.comparison.report import judge, markdown, plot_sweep, sweep_series
+from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.config import ConfigError, compose
+from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
 from tasks.runs.trainer import build
 from tests.conftest import save_checkpoint
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
@@ -66,16 +67,24 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     comparison = client.get_run(written["rows"][0]["mlflow_run_id"]).data.tags["comparison_id"]
     runs = client.search_runs([experiment.experiment_id],
                               filter_string=f"tags.comparison_id = '{comparison}'")
-    roles = sorted(r.data.tags["role"] for r in runs)
-    assert roles == ["row", "row", "row", "summary"]
-    for run in runs:
-        if run.data.tags["role"] == "row":
-            assert "test/examples_per_second_bs1" in run.data.metrics
-            assert "test/present_f1_at_M" in run.data.metrics
-        else:
-            artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-            assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png",
-                    "cmp_vs_max_subsequence_length.png"} <= artifacts
+    [parent] = [run for run in runs if run.data.tags["role"] == "comparison"]
+    children = [run for run in runs if run is not parent]
+    assert parent.info.status == "FINISHED"
+    # the parent was created before any row, and every row is nested under it
+    assert parent.info.start_time <= min(run.info.start_time for run in children)
+    assert sorted(run.info.run_id for run in children) == sorted(
+        row["mlflow_run_id"] for row in written["rows"])
+    for run in children:
+        assert run.data.tags["role"] == "row"
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert "test/examples_per_second_bs1" in run.data.metrics
+        assert "test/present_f1_at_M" in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"cmp.json", "cmp.md", "cmp_quality_vs_speed.png",
+            "cmp_vs_max_subsequence_length.png"} <= artifacts
+    assert parent.data.metrics == pytest.approx(report.summary_metrics(written))
+    assert "pipelined_max_subsequence_length_4/present_f1_at_M" in parent.data.metrics
+    assert parent.data.params["device"] == written["device"]
     # the two pipelined rows differ only in a decode-time option: one model was trained for both
     trained = [r for r in runs if r.data.tags.get("role") == "row"
                and r.data.params.get("decoder.name") == "pipelined"
@@ -398,3 +407,60 @@ def test_a_table_is_written_again_from_its_json(tmp_path):
     assert rewritten["primary_metric"] == "present_f1_at_M"
     assert rewritten["rows"][1]["speedup_bs1"] is None
     assert path.with_suffix(".md").read_text() == markdown(rewritten)
+
+
+# ---- the comparison's MLflow run ------------------------------------------------------------------
+
+def test_the_comparison_run_logs_each_rows_quality_speedups_and_calls_under_its_label():
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0), ("nar", 0.0, 0))
+    for entry in result["rows"]:  # precision is left to the JSON, as in the table
+        entry["quality"].update(present_p_at_M=0.9, absent_f1_at_M=0.1)
+    result["rows"][1]["label"] = "pipelined(delay=2,max_subsequence_length=8)"
+    pipelined = "pipelined_delay_2_max_subsequence_length_8"
+    assert summary_metrics(result) == {
+        "sequential/present_f1_at_M": 0.5, "sequential/absent_f1_at_M": 0.1,
+        "sequential/speedup_bs1": 1.0, "sequential/speedup_batch": 1.0,
+        "sequential/decoder_calls_per_example": 3.0,
+        f"{pipelined}/present_f1_at_M": 0.4, f"{pipelined}/absent_f1_at_M": 0.1,
+        f"{pipelined}/speedup_bs1": 2.0, f"{pipelined}/speedup_batch": 2.0,
+        f"{pipelined}/decoder_calls_per_example": 3.0,
+        # learned nothing: no speedup
+        "nar/present_f1_at_M": 0.0, "nar/absent_f1_at_M": 0.1, "nar/decoder_calls_per_example": 3.0}
+
+
+def lightning_ctrl_c(callbacks):
+    """What a Lightning trainer does on Ctrl-C: its callbacks see the KeyboardInterrupt, then it
+    exits."""
+    for callback in callbacks:
+        callback.on_exception(None, None, KeyboardInterrupt())
+    raise SystemExit(1)
+
+
+def runtime_error(callbacks):
+    raise RuntimeError("the row failed")
+
+
+@pytest.mark.parametrize("failure,status,error", [
+    (runtime_error, "FAILED", "RuntimeError: the row failed"),
+    (lightning_ctrl_c, "KILLED", "KeyboardInterrupt")])
+def test_a_failure_mid_comparison_marks_the_comparison_run(failure, status, error, tmp_path,
+                                                           monkeypatch):
+    def failing_row(cfg, tags=None, callbacks=()):
+        logger = open_tracking(cfg, "failing row", tags=tags)
+        watcher = ExceptionWatcher()
+        with run_status(logger, watcher):
+            failure([watcher, *callbacks])
+
+    monkeypatch.setattr(compare, "train_and_test", failing_row)
+    with pytest.raises((RuntimeError, SystemExit)):
+        compare.main(["--decoders", "sequential,pipelined", "--out", str(tmp_path / "cmp.json"),
+                      *TINY, *tracking(tmp_path)])
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("keyphrase").experiment_id])
+    [parent] = [run for run in runs if run.data.tags["role"] == "comparison"]
+    [row] = [run for run in runs if run.data.tags["role"] == "row"]
+    assert row.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert row.data.tags["comparison_id"] == parent.data.tags["comparison_id"]
+    assert parent.info.status == row.info.status == status
+    assert parent.data.tags["error"] == error
+    assert not (tmp_path / "cmp.json").exists()

@@ -47,10 +47,10 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
     """`tasks.compare.main` for one sequential row whose random-init model is tested by a Lightning
     trainer, as a trained one would be, instead of trained: the timing starts after the test's
     teardown, which leaves the module on the CPU."""
-    def tested_untrained(cfg, tags=None):
+    def tested_untrained(cfg, tags=None, callbacks=()):
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
-        score_into_run(logger, cfg, built)
+        score_into_run(logger, cfg, built, callbacks)
         return Trained(built, logger, "", built.module.test_scores, fit_seconds=0.0)
 
     decodes = RecordedDecodes()
@@ -61,13 +61,11 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
     return result, decodes
 
 
-def summary_and_row_params(tmp_path, result) -> tuple[dict, dict]:
+def comparison_and_row_params(tmp_path, result) -> tuple[dict, dict]:
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     row = client.get_run(result["rows"][0]["mlflow_run_id"])
-    comparison = row.data.tags["comparison_id"]
-    [summary] = client.search_runs([row.info.experiment_id], filter_string=
-                                   f"tags.comparison_id = '{comparison}' and tags.role = 'summary'")
-    return summary.data.params, row.data.params
+    comparison = client.get_run(row.data.tags["mlflow.parentRunId"])
+    return comparison.data.params, row.data.params
 
 
 def test_compare_times_on_the_resolved_device_and_reports_it(tmp_path, monkeypatch):
@@ -80,8 +78,8 @@ def test_compare_times_on_the_resolved_device_and_reports_it(tmp_path, monkeypat
     assert result["flush_denormal"] is False  # not a CPU: nothing to flush
     assert json.loads((tmp_path / "cmp.json").read_text())["device"] == "meta"
     assert ", meta, " in (tmp_path / "cmp.md").read_text().splitlines()[0]
-    summary, row = summary_and_row_params(tmp_path, result)
-    assert summary["device"] == "meta" and summary["flush_denormal"] == "False"
+    comparison, row = comparison_and_row_params(tmp_path, result)
+    assert comparison["device"] == "meta" and comparison["flush_denormal"] == "False"
     assert row["speed.device"] == "meta"
 
 
@@ -95,9 +93,9 @@ def test_compare_flushes_denormals_while_timing_on_a_cpu(tmp_path, monkeypatch):
     assert not flushing()  # the previous mode is back
     assert result["device"] == "cpu" and result["flush_denormal"] is True
     assert "denormals flushed to zero" in (tmp_path / "cmp.md").read_text().splitlines()[0]
-    summary, row = summary_and_row_params(tmp_path, result)
-    assert summary["flush_denormal"] == "True" and row["speed.flush_denormal"] == "True"
-    assert summary["device"] == "cpu"
+    comparison, row = comparison_and_row_params(tmp_path, result)
+    assert comparison["flush_denormal"] == "True" and row["speed.flush_denormal"] == "True"
+    assert comparison["device"] == "cpu"
 
 
 class FirstDecode(Exception):

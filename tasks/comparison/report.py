@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from tasks.comparison.measure import reference_calls_per_example, trained_parameters
 from tasks.comparison.plan import Row, row_label
 from tasks.module import TASK_MODULES
+from tasks.runs.tracking import metric_key_part
 
 # a model whose outputs mostly run to the length bound never learned to end them
 NOT_LEARNED_BOUND_SHARE = 0.5
@@ -102,10 +103,35 @@ def data_name(data: str) -> str:
     return f"the JSONL folder {Path(data).name}" if "/" in data else data
 
 
+def shown_quality(result: dict) -> list[str]:
+    """The quality metrics a comparison shows: F-measures and ROUGE; precision and recall are left
+    to the JSON."""
+    return [k for k in result["rows"][0]["quality"]
+            if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
+
+
+# what the comparison's MLflow run logs of each row besides its quality
+SUMMARY_FIGURES = ("speedup_bs1", "speedup_batch", "decoder_calls_per_example")
+
+
+def summary_metrics(result: dict) -> dict[str, float]:
+    """What the comparison's MLflow run logs of its rows, keyed `<row label>/<name>` (the label made
+    a valid metric key): the primary and the other shown quality metrics, the speedups where
+    `judge` leaves them, and the decoder calls per example."""
+    quality = dict.fromkeys([result["primary_metric"], *shown_quality(result)])
+    metrics = {}
+    for entry in result["rows"]:
+        values = {**{name: entry["quality"][name] for name in quality},
+                  **{name: entry[name] for name in SUMMARY_FIGURES}}
+        label = metric_key_part(entry["label"])
+        metrics.update({f"{label}/{name}": value for name, value in values.items()
+                        if value is not None})
+    return metrics
+
+
 def markdown(result: dict) -> str:
-    """The table: F-measures and ROUGE shown, precision/recall left to the JSON."""
-    shown = [k for k in result["rows"][0]["quality"]
-             if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
+    """The table: the shown quality (`shown_quality`), speed, work and memory per row."""
+    shown = shown_quality(result)
 
     def fmt(value, digits=3):
         return "–" if value is None else f"{value:.{digits}f}"

@@ -48,9 +48,9 @@ from datamodules.sentences import split_sentences
 from tasks.config import ConfigError, compose, to_yaml
 from tasks.metrics import Rouge
 from tasks.module import subsequence_texts
-from tasks.run import base_parser, main_guard, show_report
+from tasks.run import base_parser, log, main_guard, show_report
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,
-                                 open_tracking, run_status)
+                                 open_tracking, run_link, run_status)
 
 TASK = "summarization"
 SPLIT = "test"
@@ -153,6 +153,7 @@ def log_row(cfg: DictConfig, datamodule: SubsequenceDataModule, row: dict, defin
                                      "targets": target_texts(TASK, record)}
                                     for record, prediction in zip(records, predictions)])
     logger.finalize("success")
+    log.info("%s in the MLflow UI: %s", row["label"], run_link(cfg, logger))
     return logger.run_id
 
 

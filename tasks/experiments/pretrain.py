@@ -44,7 +44,7 @@ from tasks.module import BackboneTraining
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.tracking import (ExceptionWatcher, experiment_name, log_artifacts,
                                  log_dataset_inputs, mlflow_dataset, open_tracking, run_folder,
-                                 run_status)
+                                 run_link, run_status)
 from tasks.runs.trainer import build, check_trainer, make_trainer
 
 EXPERIMENT = "pretrain"
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
              "settings)", checkpoint, checkpoint)
     log.info("MLflow run %s in experiment %r (%s); wall time %.1fs", logger.run_id,
              experiment_name(cfg), cfg.tracking.uri, time.perf_counter() - started)
+    log.info("in the MLflow UI: %s", run_link(cfg, logger))
     return {"run_id": logger.run_id, "checkpoint": checkpoint, "losses": losses}
 
 

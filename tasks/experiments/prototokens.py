@@ -58,7 +58,7 @@ from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_status
+from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_link, run_status
 from tasks.runs.trainer import decode_device
 from tasks.test import checkpoint_config, restore
 
@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.finalize("success")
     log.info("wrote %s and %s; MLflow run %s; wall time %.1fs", out, image, logger.run_id,
              time.perf_counter() - started)
+    log.info("in the MLflow UI: %s", run_link(cfg, logger))
     return result
 
 

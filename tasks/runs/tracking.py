@@ -1,16 +1,19 @@
 """A run's MLflow tracking: opening the store, naming the experiment and the run, the run's folder
-in the artifact store, what a run logs (parameters, datasets, config, predictions), and its status
-when it fails."""
+in the artifact store, what a run logs (parameters, datasets, config, predictions), its status
+when it fails, and links to it in the MLflow UI."""
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import re
+import shlex
 import sqlite3
 import tempfile
 from contextlib import closing, contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import quote
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
@@ -27,9 +30,18 @@ def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,
                   run_id: str | None = None) -> MLFlowLogger:
     """The MLflow logger of one run; fails before any training if the store cannot be opened."""
     artifacts = check_tracking(cfg)
+    # A tracking server keeps the artifacts of the experiments it creates where it and its UI can
+    # reach them; a folder of this machine would be out of their reach. Checkpoints stay in
+    # tracking.artifact_location either way (`run_folder`).
+    location = None if is_server(cfg.tracking.uri) else artifacts.as_uri()
     return MLFlowLogger(experiment_name=experiment_name(cfg), run_name=run_name,
-                        tracking_uri=cfg.tracking.uri, artifact_location=artifacts.as_uri(),
+                        tracking_uri=cfg.tracking.uri, artifact_location=location,
                         tags=tags, run_id=run_id)
+
+
+def is_server(tracking_uri: str) -> bool:
+    """Whether the tracking URI names a tracking server (rather than a store this process opens)."""
+    return tracking_uri.startswith(("http://", "https://"))
 
 
 def check_tracking(cfg: DictConfig) -> Path:
@@ -85,6 +97,13 @@ def store_creation_lock(uri: str):
         yield
 
 
+def nested_under(parent: MLFlowLogger) -> dict[str, str]:
+    """The tag that makes a run the child of `parent`'s run, as the MLflow UI nests them (the
+    parent's run is created here if it was not yet)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+    return {MLFLOW_PARENT_RUN_ID: parent.run_id}
+
+
 def experiment_name(cfg: DictConfig) -> str:
     return cfg.tracking.experiment or cfg.task.name
 
@@ -94,7 +113,8 @@ def default_run_name(cfg: DictConfig) -> str:
 
 
 def run_folder(cfg: DictConfig, run_id: str) -> Path:
-    """A run's own folder in the artifact store; checkpoints live in `checkpoints/` under it."""
+    """A run's own folder under tracking.artifact_location; checkpoints live in `checkpoints/` under
+    it (and, with a local store, MLflow's artifacts in `artifacts/`)."""
     return Path(cfg.tracking.artifact_location).resolve() / run_id
 
 
@@ -200,3 +220,44 @@ def run_status(logger: MLFlowLogger, watcher: ExceptionWatcher):
             logger.experiment.set_tag(logger.run_id, "error", message[:5000])
             logger.experiment.set_terminated(logger.run_id, status)
         raise
+
+
+# Where `mlflow ui` serves a local store unless told otherwise.
+LOCAL_UI = "http://127.0.0.1:5000"
+
+
+def ui_link(tracking_uri: str, page: str) -> str:
+    """A page of the MLflow UI (its route, the part after `#/`) as a line to print: on the tracking
+    server itself, or on the UI that `mlflow ui` serves on a local store, with that command."""
+    if is_server(tracking_uri):
+        return f"{tracking_uri.rstrip('/')}/#/{page}"
+    return (f"{LOCAL_UI}/#/{page} (serve the UI with `mlflow ui --backend-store-uri "
+            f"{shlex.quote(tracking_uri)}`)")
+
+
+# The UI shows an experiment in its GenAI views (or in those last chosen in the browser) unless the
+# page asks for the machine-learning ones, where runs and their metrics are.
+MACHINE_LEARNING = "workflowType=machine_learning"
+
+
+def run_link(cfg: DictConfig, logger: MLFlowLogger) -> str:
+    """The run's page in the MLflow UI, on its machine-learning view, as a line to print."""
+    return ui_link(cfg.tracking.uri, f"experiments/{logger.experiment_id}/runs/{logger.run_id}"
+                                     f"?{MACHINE_LEARNING}")
+
+
+def compare_runs_link(cfg: DictConfig, loggers: list[MLFlowLogger]) -> str:
+    """The MLflow UI's page that compares the runs, as a line to print. The UI writes the run and
+    experiment ids as JSON arrays, and the browser percent-encodes their quotes."""
+    def ids(values: list[str]) -> str:
+        return quote(json.dumps(values, separators=(",", ":")), safe="[],")
+    runs = [logger.run_id for logger in loggers]
+    experiments = sorted({logger.experiment_id for logger in loggers})
+    return ui_link(cfg.tracking.uri, f"compare-runs?runs={ids(runs)}&experiments={ids(experiments)}")
+
+
+def metric_key_part(text: str) -> str:
+    """`text` as a part of a metric key that MLflow and Lightning's logger keep as it is: each run
+    of other characters than letters, digits, `_`, `.` and `-` becomes one `_`
+    (`pipelined(delay=2)` -> `pipelined_delay_2`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")

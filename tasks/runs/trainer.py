@@ -93,12 +93,15 @@ def decode_device(cfg: DictConfig) -> torch.device:
     return check_trainer(cfg).strategy.root_device
 
 
-def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built) -> None:
+def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built, callbacks=()) -> None:
     """Decode and score the test split with an already-trained module; params, the test split as
-    dataset input, metrics, config and predictions go to `logger`'s run."""
-    with run_status(logger, ExceptionWatcher()):  # the run exists from the first log on
+    dataset input, metrics, config and predictions go to `logger`'s run. `callbacks` join the
+    trainer's."""
+    watcher = ExceptionWatcher()  # the trainer's: Ctrl-C while testing marks the run KILLED
+    with run_status(logger, watcher):  # the run exists from the first log on
         log_params(logger, cfg, built.datamodule, ("test",))
-        make_trainer(cfg, logger).test(built.module, datamodule=built.datamodule, verbose=False)
+        make_trainer(cfg, logger, callbacks=[watcher, *callbacks]).test(
+            built.module, datamodule=built.datamodule, verbose=False)
         log_artifacts(logger, cfg, built.module.prediction_rows("test"))
 
 
