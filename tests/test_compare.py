@@ -464,3 +464,12 @@ def test_a_failure_mid_comparison_marks_the_comparison_run(failure, status, erro
     assert parent.info.status == row.info.status == status
     assert parent.data.tags["error"] == error
     assert not (tmp_path / "cmp.json").exists()
+
+
+def test_a_frozen_blockwise_without_a_backbone_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, ["--decoders", "sequential,blockwise", "--backbone", "own",
+                                             "decoder.freeze_backbone=true", *TINY,
+                                             *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert ("decoder blockwise with decoder.freeze_backbone=true trains on a trained sequential "
+            "model's backbone") in stderr

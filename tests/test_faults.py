@@ -382,6 +382,15 @@ def test_onestep_without_a_trained_backbone_fails_before_any_work(tmp_path, monk
     assert "train.init_from=" in stderr
 
 
+def test_a_frozen_blockwise_backbone_without_a_trained_one_fails_before_any_work(tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Blockwise heads on a frozen random backbone would learn to guess noise."""
+    stderr = fails_before_any_work(fit, ["--decoder", "blockwise", "decoder.freeze_backbone=true",
+                                         *TINY, *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert ("decoder blockwise with decoder.freeze_backbone=true trains only on a trained sequential "
+            "model's backbone") in stderr
+
+
 def test_every_numeric_decoder_option_is_in_the_table():
     from decoders import available, decoder_class
     tested = {(decoder, override.split("=")[0][len("decoder."):])

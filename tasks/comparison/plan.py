@@ -138,7 +138,8 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
     it too): its quality is the sequential row's by construction. `backbone="own"` trains those
     that can train a backbone (blockwise: base head jointly with the heads) from scratch instead.
     A setting of `train.init_from` or `decoder.freeze_backbone` the user made (`user_set(key)`)
-    wins. A decoder that `needs_trained_backbone` and gets none is refused here, before any work."""
+    wins. A decoder that `needs_trained_backbone`, or is set to freeze its backbone, and gets none
+    is refused here, before any work."""
     has_sequential = any(cfg.decoder.name == "sequential" for cfg, _ in planned)
     starts = []
     for cfg, _ in planned:
@@ -148,8 +149,10 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
         if builds and "freeze_backbone" in cfg.decoder and not user_set("decoder.freeze_backbone"):
             cfg.decoder.freeze_backbone = True
         loaded = cfg.decoder.name in checkpoints
-        if kind.needs_trained_backbone and not (builds or loaded or cfg.train.init_from):
-            raise ConfigError(f"decoder {cfg.decoder.name} trains on a trained sequential model's "
+        frozen = cfg.decoder.get("freeze_backbone", False)
+        if (kind.needs_trained_backbone or frozen) and not (builds or loaded or cfg.train.init_from):
+            setting = " with decoder.freeze_backbone=true" if frozen else ""
+            raise ConfigError(f"decoder {cfg.decoder.name}{setting} trains on a trained sequential model's "
                               f"backbone, and this comparison gives it none: add sequential to "
                               f"--decoders (it then starts from that row's checkpoint), or set "
                               f"train.init_from=<a sequential checkpoint>")

@@ -122,10 +122,13 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     With `resume`, training goes on from that run's last checkpoint and logs into the same run;
     otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
-    if resume is None and cfg.train.init_from is None and decoder_class(cfg.decoder.name).needs_trained_backbone:
+    frozen = cfg.decoder.get("freeze_backbone", False)
+    if resume is None and cfg.train.init_from is None and (
+            frozen or decoder_class(cfg.decoder.name).needs_trained_backbone):
         # it would train on a random frozen backbone: a result with no meaning, hours later
-        raise ConfigError(f"decoder {cfg.decoder.name} trains only on a trained sequential model's "
-                          f"backbone: set train.init_from=<a sequential tasks.fit checkpoint>")
+        setting = " with decoder.freeze_backbone=true" if frozen else ""
+        raise ConfigError(f"decoder {cfg.decoder.name}{setting} trains only on a trained sequential "
+                          f"model's backbone: set train.init_from=<a sequential tasks.fit checkpoint>")
     check_trainer(cfg)
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
