@@ -54,8 +54,9 @@ from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
-from decoders.backbone import (at_least_float32, encode, gather_self_attention_cache, new_cache,
-                               output_logits, past_distance_bias_table, run_decoder)
+from decoders.backbone import (at_least_float32, cross_attention_mask, encode,
+                               gather_self_attention_cache, new_cache, output_logits,
+                               past_distance_bias_table, run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 from decoders.sequential import SequentialDecoder
@@ -183,6 +184,7 @@ class BlockwiseDecoder(Decoder):
         k, end, bound = self.block_size, self.special.eos, self.max_new_tokens
         batch_size, device = input_ids.size(0), input_ids.device
         encoder_states = encode(model, input_ids, attention_mask)   # (B, S, d_model), once
+        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
         # T5's bias of every past distance a call can meet (a query sits below position bound + k),
         # made once: each call only gathers from it.
         table = past_distance_bias_table(model, bound + k)         # (bound + k + 1, heads)
@@ -212,7 +214,7 @@ class BlockwiseDecoder(Decoder):
             distance = fed_pos[:, :, None] - key_pos[:, None, :]                          # (live, Q, K + Q)
             bias = table[distance.clamp(min=0)].permute(0, 3, 1, 2)                       # (live, heads, Q, K + Q)
             bias = bias.masked_fill((distance < 0)[:, None], torch.finfo(bias.dtype).min)
-            hidden = run_decoder(model, fed, bias, encoder_states, attention_mask, cache)  # (live, Q, d)
+            hidden = run_decoder(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
             batch_calls += 1
 
             base_logits = output_logits(model, hidden)               # (live, Q, V)
@@ -241,11 +243,11 @@ class BlockwiseDecoder(Decoder):
             # The one sync of the call. A row that goes on took its block up to `accepted` whole
             # (no end token, no cut), so after compaction its own slots are exactly new_count.
             kept = rows.drop_finished(ended | (new_count >= bound), cache, encoder_states,
-                                      attention_mask, base_next, proposals, count, new_count,
+                                      cross_mask, base_next, proposals, count, new_count,
                                       also=new_count)
             if kept is None:
                 break
-            encoder_states, attention_mask, base_next, proposals, own, count = kept
+            encoder_states, cross_mask, base_next, proposals, own, count = kept
             # next block: the base head's token after the last accepted one, then the proposals
             fed = torch.cat([base_next[:, None], proposals], dim=1)  # (live, k)
             counts = rows.values

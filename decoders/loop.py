@@ -70,25 +70,35 @@ class LiveRows:
         self.values: list[int] = []                            # the `also` read back, for kept rows
         self.kept: list[int] = list(range(batch_size))         # kept rows' positions in the last call
 
-    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
-                      *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
-        """Read back `finished` (live,) bool, with `also` (live,) ints if given, in ONE transfer;
-        drop the finished rows from `index`, the cache and every tensor of `row_tensors` (each
-        (live, ...)). Returns the kept tensors, or None when no row is left."""
-        flags = finished.long() if also is None else torch.stack([finished.long(), also.long()])
-        read = flags.tolist()                                   # the sync point of this call
-        done, values = (read, None) if also is None else read
+    def read(self, values: torch.Tensor) -> list:
+        """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
+        return values.tolist()
+
+    def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
+        """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
+        the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept
+        rows' positions. Returns the kept tensors, or None when no row is left."""
         if all(done):
             return None
         kept = [row for row, d in enumerate(done) if not d]
         self.kept = kept
         if len(kept) < len(done):
             # right after the read-back nothing is queued, so this host -> device copy waits for nothing
-            keep = torch.tensor(kept, device=finished.device)
+            keep = torch.tensor(kept, device=self.index.device)
             self.index = self.index[keep]
             if cache is not None:
                 cache.batch_select_indices(keep)
             row_tensors = tuple(t[keep] for t in row_tensors)
-            values = None if values is None else [values[row] for row in kept]
-        self.values = values or []
         return row_tensors
+
+    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
+                      *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
+        """Read back `finished` (live,) bool, with `also` (live,) ints if given, in ONE transfer;
+        drop the finished rows (`drop`); `values` is `also` of the kept rows. Returns the kept
+        tensors, or None when no row is left."""
+        flags = finished.long() if also is None else torch.stack([finished.long(), also.long()])
+        read = self.read(flags)                                 # the sync point of this call
+        done, values = (read, None) if also is None else read
+        kept = self.drop(done, cache, *row_tensors)
+        self.values = [] if kept is None or values is None else [values[row] for row in self.kept]
+        return kept
