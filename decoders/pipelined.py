@@ -106,18 +106,27 @@ class Grid(NamedTuple):
         return self.code.remainder(self.width)
 
 
+class StructureTable(NamedTuple):
+    """`structure_table`'s bias of every relative grid position, indexed by head and `Grid` code
+    difference, so that `attention_bias` gathers a contiguous (B, heads, Q, K) tensor: T5's
+    attention would otherwise copy it in every layer."""
+
+    bias: torch.Tensor    # (heads, 2 * reach + 1)
+    head: torch.Tensor    # (heads, 1, 1) every head's index
+
+
 def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
-                    offsets: int) -> torch.Tensor:
+                    offsets: int) -> StructureTable:
     """The self-attention bias of every relative grid position, computed once per forward or
     `generate` so that each call only gathers from it (`attention_bias`).
 
-    Returns (2 * reach + 1, heads), reach = padding_index * width + offsets (`grid_width`): entry
-    [c] (for c < 0, as Python and torch index, [2 * reach + 1 + c]) is the bias of a key whose
-    `Grid` code is c less than its query's, i.e. di
-    subsequences and dj tokens before it (c = di * width + dj, di in -padding_index..padding_index,
-    dj in -offsets..offsets): T5's bias of the Manhattan distance di + |dj| (`distance_bias[d]`,
-    `base.past_distance_bias_table`) where the key is visible (di >= 0 and its time ki*d + kj <=
-    the query's, i.e. di*d + dj >= 0), and the dtype's lowest value where it is not.
+    Its `bias` is (heads, 2 * reach + 1), reach = padding_index * width + offsets (`grid_width`):
+    entry [:, c] (for c < 0, as Python and torch index, [:, 2 * reach + 1 + c]) is the bias of a
+    key whose `Grid` code is c less than its query's, i.e. di subsequences and dj tokens before it
+    (c = di * width + dj, di in -padding_index..padding_index, dj in -offsets..offsets): T5's bias
+    of the Manhattan distance di + |dj| (`distance_bias[d]`, `base.past_distance_bias_table`)
+    where the key is visible (di >= 0 and its time ki*d + kj <= the query's, i.e.
+    di*d + dj >= 0), and the dtype's lowest value where it is not.
     `distance_bias` must reach padding_index + offsets: a table too short for some distance fails
     here, rather than bias it as a nearer one."""
     width = grid_width(offsets)
@@ -129,13 +138,15 @@ def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
     bias = distance_bias[di.clamp(min=0) + dj.abs()]                                   # (T, heads)
     bias = bias.masked_fill(~visible[:, None], torch.finfo(bias.dtype).min)
     # rolled so that a negative difference indexes from the end: a call adds no offset to its index
-    return bias.roll(-reach, 0)
+    bias = bias.roll(-reach, 0).T.contiguous()                                         # (heads, T)
+    return StructureTable(bias, torch.arange(bias.size(0), device=bias.device)[:, None, None])
 
 
-def attention_bias(table: torch.Tensor, query: Grid, key: Grid) -> torch.Tensor:
+def attention_bias(table: StructureTable, query: Grid, key: Grid) -> torch.Tensor:
     """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility,
     gathered from `structure_table`'s `table` (made for the grids' width) by code difference."""
-    return table[query.code[:, :, None] - key.code[:, None, :]].permute(0, 3, 1, 2)
+    difference = query.code[:, :, None] - key.code[:, None, :]                         # (B, Q, K)
+    return table.bias[table.head, difference[:, None]]
 
 
 # ---- decoding state ----------------------------------------------------------------------------
@@ -179,7 +190,7 @@ class Batch:
     """What one `generate` keeps beside its `State`: fixed for the batch, or written in place."""
 
     model: T5ForConditionalGeneration
-    table: torch.Tensor          # `structure_table` of the slot and offset bounds
+    table: StructureTable        # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
     cache: EncoderDecoderCache
     rows: LiveRows
