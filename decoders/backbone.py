@@ -46,8 +46,10 @@ def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor)
     """Keep, for each row b, the self-attention cache slots `order[b]` ((live, K') long), in that
     order, in every layer: drops slots a row does not need (padding, rejected proposals) and packs
     the rest to the front. The cross-attention part (the encoder's keys/values) is untouched."""
-    for layer in cache.self_attention_cache.layers:
-        index = order[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(-1))
+    layers = cache.self_attention_cache.layers
+    # every layer's keys and values have one shape (B, heads, K, head_dim): one index serves all
+    index = order[:, None, :, None].expand(-1, layers[0].keys.size(1), -1, layers[0].keys.size(-1))
+    for layer in layers:
         layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
 
@@ -89,6 +91,12 @@ def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~visible, torch.finfo(dtype).min)[:, None]
 
 
+def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, source_len) 1/0 padding mask -> the (B, 1, 1, source_len) additive mask T5's
+    cross-attention takes; a decoding loop makes it once and passes it to every `run_decoder`."""
+    return hidden_mask(encoder_mask[:, None, :].bool(), dtype)
+
+
 def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
                 encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
                 cache: EncoderDecoderCache | None = None,
@@ -96,7 +104,8 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
 
     input_ids: (B, Q) new tokens; self_bias: (B, heads, Q, keys) where keys = cached + Q tokens;
-    encoder_mask: (B, source_len) 1/0 padding mask. Returns the final hidden states (B, Q, d_model).
+    encoder_mask: (B, source_len) 1/0 padding mask, or its `cross_attention_mask`, made once per
+    decode. Returns the final hidden states (B, Q, d_model).
     With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
     ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
     """
@@ -105,7 +114,8 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
     decoder = model.decoder
-    cross_mask = hidden_mask(encoder_mask[:, None, :].bool(), encoder_states.dtype)  # (B, 1, 1, S)
+    cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
+                  else cross_attention_mask(encoder_mask, encoder_states.dtype))
     embedded = decoder.embed_tokens(input_ids)
     if position_embeddings is not None:
         embedded = embedded + position_embeddings

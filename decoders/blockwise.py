@@ -38,11 +38,11 @@ Batching. Rows accept different lengths, so the key/value cache cannot be croppe
     slots (tokens produced), during a call k more. No rejected proposal stays in it; a row's only
     waste is its max(n) - n_r padding slots, how far the longest live row is ahead of it. Finished
     rows leave the batch and the cache; the cross-attention cache is otherwise never touched.
-Host syncs. One per decoder call: `LiveRows.drop_finished` reads back which rows finished together
-    with every row's new n_r, which sets the next call's cache width on the host (skipped on a call
-    after which every live row is at `max_new_tokens` anyway). Everything else per call is tensor ops
-    (the tokens each row produced, `block_output`, go to a per-example buffer through the rows'
-    original indices); the results are read back once, at the end.
+Host syncs. One per decoder call: `LiveRows.read` reads back which rows ended at e together with
+    every row's new n_r, from which the host drops the finished rows and sets the next call's cache
+    width (skipped on a call after which every live row is at `max_new_tokens` anyway). Everything
+    else per call is tensor ops (the tokens each row produced, `block_output`, go to a per-example
+    buffer through the rows' original indices); the results are read back once, at the end.
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
-from decoders.backbone import (at_least_float32, encode, gather_self_attention_cache, new_cache,
-                               output_logits, past_distance_bias_table, run_decoder)
+from decoders.backbone import (at_least_float32, cross_attention_mask, encode,
+                               gather_self_attention_cache, new_cache, output_logits,
+                               past_distance_bias_table, run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 from decoders.sequential import SequentialDecoder
@@ -99,11 +100,12 @@ def block_output(proposals: torch.Tensor, accepted: torch.Tensor, base_next: tor
     Returns (B, m + 1) tokens, left-aligned, NOT_PRODUCED after the row's last one; and (B,) bool.
     """
     offset = torch.arange(proposals.size(1) + 1, device=proposals.device)          # (m + 1,)
-    tokens = torch.where(offset < accepted[:, None],
-                         torch.cat([proposals, base_next[:, None]], dim=1), base_next[:, None])
+    # base_next at position `accepted`; what lies past it is not kept
+    tokens = torch.cat([proposals, base_next[:, None]], dim=1).scatter_(
+        1, accepted[:, None], base_next[:, None])                                   # (B, m + 1)
     is_end = tokens == end                                                          # (B, m + 1)
-    after_end = (is_end.long().cumsum(dim=1) - is_end.long()) > 0                   # an earlier end token
-    kept = (offset <= accepted[:, None]) & (offset < room[:, None]) & ~after_end
+    no_earlier_end = is_end.cumsum(dim=1) <= is_end                                 # (B, m + 1)
+    kept = (offset < torch.minimum(accepted + 1, room)[:, None]) & no_earlier_end
     return tokens.masked_fill(~kept, NOT_PRODUCED), (kept & is_end).any(dim=1)
 
 
@@ -183,16 +185,25 @@ class BlockwiseDecoder(Decoder):
         k, end, bound = self.block_size, self.special.eos, self.max_new_tokens
         batch_size, device = input_ids.size(0), input_ids.device
         encoder_states = encode(model, input_ids, attention_mask)   # (B, S, d_model), once
-        # T5's bias of every past distance a call can meet (a query sits below position bound + k),
-        # made once: each call only gathers from it.
-        table = past_distance_bias_table(model, bound + k)         # (bound + k + 1, heads)
-        positions = torch.arange(bound + k, device=device)          # sliced below, never rebuilt
+        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+        # T5's bias of every distance a call can meet, made once: each call only gathers from it.
+        # A query sits below position far = bound + k, where a padding slot is placed; a key in
+        # the query's future (a negative distance, which indexes from the end) is hidden.
+        far = bound + k
+        past = past_distance_bias_table(model, far)                # (far + 1, heads): 0..far
+        table = torch.cat([past, past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)]).T
+        # indexed by head and distance, so that the gathered bias is contiguous: T5's attention
+        # would otherwise copy it in every layer
+        head = torch.arange(table.size(0), device=device)[:, None, None]                # (heads, 1, 1)
+        positions = torch.arange(max(far, batch_size), device=device)   # sliced below, never rebuilt
         cache = new_cache()
         rows = LiveRows(batch_size, device)
         # Per original example, read back once at the end. A live row has produced < bound tokens
         # and writes at most k more, so bound + k - 1 columns hold every write.
         produced = torch.full((batch_size, bound + k - 1), NOT_PRODUCED, dtype=torch.long, device=device)
-        calls = torch.zeros(batch_size, dtype=torch.long, device=device)                 # (B,) calls taken
+        origin = rows.index[:, None]                     # (live, 1) each live row's example
+        originals = list(range(batch_size))              # host: the same
+        calls = [0] * batch_size                         # host: decoder calls per example
         # Per live row: tokens produced so far (= its own cache slots = position of fed[:, 0]), on
         # the device and, read back with each stop check, on the host (for the cache's shape).
         count = torch.zeros(batch_size, dtype=torch.long, device=device)                 # (live,)
@@ -203,16 +214,15 @@ class BlockwiseDecoder(Decoder):
         fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)  # (live, Q)
         batch_calls = 0
         while True:
-            offset = positions[: fed.size(1)]                                             # (Q,)
-            fed_pos = count[:, None] + offset                                             # (live, Q)
+            start = count[:, None]                                   # (live, 1): position of fed[:, 0]
+            fed_pos = start + positions[: fed.size(1)]                                    # (live, Q)
             # Slot i < count holds position i; a padding slot is placed in the far future, so
             # that "visible iff not in the future" hides it as well.
             slot = positions[:cached]                                                     # (K,)
-            key_pos = torch.cat([torch.where(slot < count[:, None], slot, bound + k), fed_pos], dim=1)
+            key_pos = torch.cat([torch.where(slot < start, slot, far), fed_pos], dim=1)     # (live, K + Q)
             distance = fed_pos[:, :, None] - key_pos[:, None, :]                          # (live, Q, K + Q)
-            bias = table[distance.clamp(min=0)].permute(0, 3, 1, 2)                       # (live, heads, Q, K + Q)
-            bias = bias.masked_fill((distance < 0)[:, None], torch.finfo(bias.dtype).min)
-            hidden = run_decoder(model, fed, bias, encoder_states, attention_mask, cache)  # (live, Q, d)
+            bias = table[head, distance[:, None]]                                         # (live, heads, Q, K + Q)
+            hidden = run_decoder(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
             batch_calls += 1
 
             base_logits = output_logits(model, hidden)               # (live, Q, V)
@@ -227,45 +237,52 @@ class BlockwiseDecoder(Decoder):
                 accepted = accepted_length(fed[:, 1:], candidates)   # (live,)
             else:
                 accepted = torch.zeros(fed.size(0), dtype=torch.long, device=device)
-            last = accepted[:, None]                                 # (live, 1): last accepted fed index
-            base_next = base_pred.gather(1, last).squeeze(1)         # (live,) the base head's own token
-            last_state = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.size(-1)))  # (live, 1, d)
-            proposals = self.proposal_logits(model, last_state.squeeze(1)).argmax(-1)       # (live, k-1)
+            # at each row's last accepted fed index: the base head's own token, and the state
+            # the heads propose the next block from
+            row = positions[: fed.size(0)]                           # (live,)
+            base_next = base_pred[row, accepted]                     # (live,)
+            proposals = self.proposal_logits(model, hidden[row, accepted]).argmax(-1)   # (live, k-1)
 
             tokens, ended = block_output(fed[:, 1:], accepted, base_next, end, bound - count)  # (live, Q), (live,)
-            produced[rows.index[:, None], count[:, None] + offset] = tokens
-            calls[rows.index] = batch_calls  # rows are live from the first call until they leave
+            produced.index_put_((origin, fed_pos), tokens)
             new_count = count + (tokens != NOT_PRODUCED).sum(dim=1)  # (live,)
             if min(counts) + 1 >= bound:
                 break  # every live row reaches max_new_tokens with this call: nothing to read back
             # The one sync of the call. A row that goes on took its block up to `accepted` whole
             # (no end token, no cut), so after compaction its own slots are exactly new_count.
-            kept = rows.drop_finished(ended | (new_count >= bound), cache, encoder_states,
-                                      attention_mask, base_next, proposals, count, new_count,
-                                      also=new_count)
+            finished, new_counts = rows.read(torch.stack([ended, new_count]))
+            done = [bool(end_token) or n >= bound for end_token, n in zip(finished, new_counts)]
+            for b, example in enumerate(originals):
+                if done[b]:
+                    calls[example] = batch_calls   # rows are live from the first call until they leave
+            kept = rows.drop(done, cache, encoder_states, cross_mask, base_next, proposals, count,
+                             new_count, origin)
             if kept is None:
                 break
-            encoder_states, attention_mask, base_next, proposals, own, count = kept
+            encoder_states, cross_mask, base_next, proposals, own, count, origin = kept
+            originals = [originals[b] for b in rows.kept]
+            counts = [new_counts[b] for b in rows.kept]
             # next block: the base head's token after the last accepted one, then the proposals
             fed = torch.cat([base_next[:, None], proposals], dim=1)  # (live, k)
-            counts = rows.values
             gather_self_attention_cache(cache, block_after_own_slots(
                 own, cached, cache.get_seq_length(), max(counts)))
             cached = max(counts)
+        for example in originals:   # the rows of the last call
+            calls[example] = batch_calls
 
-        read = torch.cat([calls[:, None], produced], dim=1).tolist()  # the one read-back of results
-        outputs = [[t for t in row[1:] if t != NOT_PRODUCED] for row in read]
+        read = produced.tolist()                                     # the one read-back of results
+        outputs = [[t for t in row if t != NOT_PRODUCED] for row in read]
         split = [split_flat_output(tokens, self.special) for tokens in outputs]
         return DecodeOutput(
             subsequences=[subsequences for subsequences, _ in split],
-            decoder_calls=[row[0] for row in read],
+            decoder_calls=calls,
             tokens=[len(tokens) for tokens in outputs],
             hit_max_steps=[not ended for _, ended in split],
             batch_decoder_calls=batch_calls,
             # mean accepted tokens per call = accepted_tokens / blockwise_iterations
             #                                 (= sum(tokens) / sum(decoder_calls))
             stats={"accepted_tokens": float(sum(len(tokens) for tokens in outputs)),
-                   "blockwise_iterations": float(sum(row[0] for row in read))},
+                   "blockwise_iterations": float(sum(calls))},
         )
 
 

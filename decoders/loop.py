@@ -60,35 +60,38 @@ class LiveRows:
     On a GPU every read of a device value (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, boolean
     masks) stalls the queue, so a decoding loop keeps its bookkeeping in tensors, written through
     `index` (each live row's original position: tensor indexing, no sync), and reads back once per
-    call, here: which rows finished (plus, optionally, one small tensor the loop needs on the host
-    for the next call's shapes). Finished rows leave the batch and the cache, so they cost nothing
-    in later calls. Results are read back once, at the end.
+    call, here (`read`): which rows finished, or what the loop decides that from on the host, with
+    what it needs there for the next call's shapes. Finished rows leave the batch and the cache
+    (`drop`), so they cost nothing in later calls. Results are read back once, at the end.
     """
 
     def __init__(self, batch_size: int, device: torch.device):
         self.index = torch.arange(batch_size, device=device)   # (live,) original row of each live row
-        self.values: list[int] = []                            # the `also` read back, for kept rows
         self.kept: list[int] = list(range(batch_size))         # kept rows' positions in the last call
 
-    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
-                      *row_tensors: torch.Tensor, also: torch.Tensor | None = None):
-        """Read back `finished` (live,) bool, with `also` (live,) ints if given, in ONE transfer;
-        drop the finished rows from `index`, the cache and every tensor of `row_tensors` (each
-        (live, ...)). Returns the kept tensors, or None when no row is left."""
-        flags = finished.long() if also is None else torch.stack([finished.long(), also.long()])
-        read = flags.tolist()                                   # the sync point of this call
-        done, values = (read, None) if also is None else read
+    def read(self, values: torch.Tensor) -> list:
+        """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
+        return values.tolist()
+
+    def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
+        """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
+        the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept
+        rows' positions. Returns the kept tensors, or None when no row is left."""
         if all(done):
             return None
         kept = [row for row, d in enumerate(done) if not d]
         self.kept = kept
         if len(kept) < len(done):
             # right after the read-back nothing is queued, so this host -> device copy waits for nothing
-            keep = torch.tensor(kept, device=finished.device)
+            keep = torch.tensor(kept, device=self.index.device)
             self.index = self.index[keep]
             if cache is not None:
                 cache.batch_select_indices(keep)
             row_tensors = tuple(t[keep] for t in row_tensors)
-            values = None if values is None else [values[row] for row in kept]
-        self.values = values or []
         return row_tensors
+
+    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
+                      *row_tensors: torch.Tensor):
+        """Read back `finished` (live,) bool (`read`) and drop the finished rows (`drop`). Returns
+        the kept tensors, or None when no row is left."""
+        return self.drop(self.read(finished), cache, *row_tensors)

@@ -61,8 +61,8 @@ from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
-from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
-                               relative_position_bias, run_decoder)
+from decoders.backbone import (at_least_float32, cross_attention_mask, encode, hidden_mask,
+                               masked_mean, output_logits, relative_position_bias, run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import split_flat_output
 from decoders.sequential import join_subsequences
@@ -184,7 +184,7 @@ class MaskPredictDecoder(Decoder):
         """One decoder pass: T5's blocks on token + absolute position embeddings.
 
         decoder_input: (B, W) ids, W <= max_length; self_bias: (B, heads, W, W) (bias + visibility);
-        encoder_states: (B, S, d_model); encoder_mask: (B, S) 1/0
+        encoder_states: (B, S, d_model); encoder_mask: (B, S) 1/0, or its `cross_attention_mask`
         -> final hidden states (B, W, d_model). As `base.run_decoder`, without a cache: every pass
         recomputes all positions, since their inputs change.
         """
@@ -280,7 +280,8 @@ class MaskPredictDecoder(Decoder):
         # (N = B*k,): the k candidates of example 0, then those of example 1, ...
         lengths = (order[:, :k] + 1).reshape(-1)
         encoder_states = encoder_states.repeat_interleave(k, dim=0)         # (N, S, d_model)
-        encoder_mask = attention_mask.repeat_interleave(k, dim=0)           # (N, S)
+        encoder_mask = cross_attention_mask(attention_mask.repeat_interleave(k, dim=0),
+                                            encoder_states.dtype)           # (N, 1, 1, S), once
 
         # The one read-back before decoding: the width and every pass's re-mask counts follow from
         # the lengths alone, so the loop below needs no other.

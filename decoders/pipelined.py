@@ -46,9 +46,9 @@ are dropped from the batch and the cache.
 Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), one `_step` per time step
 (lines 4-13: `_starts_at` is the start schedule; `_columns` gathers the running subsequences, one
 decoder call, `_append` writes their tokens back, `_drop_done` ends examples), `_output` (line 14).
-Between steps the state is a `State`: per live example a `Live` (each slot's `SlotFields`,
-may_start, output_length, the cache's key positions) and host-side counts; what the whole batch
-shares is a `Batch`.
+Between steps the state is a `State`: per live example a `Live` (each slot's idle flag and next
+token, may_start, the cache's key positions) and host-side counts (running subsequences, columns
+fed, the room left under the output bound); what the whole batch shares is a `Batch`.
 """
 from __future__ import annotations
 
@@ -61,122 +61,127 @@ from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (encode, gather_self_attention_cache, new_cache, output_logits,
-                               past_distance_bias_table, run_decoder)
+from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
+                               new_cache, output_logits, past_distance_bias_table, run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, read_back
 
-# slot statuses in decoding; RUNNING sorts first, so a stable argsort of the statuses lists an
-# example's running slots first, in subsequence order
-RUNNING, WAITING, DONE = 0, 1, 2
 # the stopping rules (module docstring)
 FIRST_EMPTY, ALL_END = "first_empty", "all_end"
 # `produced` entries: never written, and a token that was emitted but cut by the output bound
 CUT = -2
 
 
-@dataclass
-class Grid:
-    """Positions of a batch's tokens on the (subsequence, offset) grid, flattened to (B, N).
+def grid_width(offsets: int) -> int:
+    """Codes per subsequence of `Grid`: two offsets 0..offsets differ by at most `offsets` either
+    way, so with 2 * offsets + 1 codes per subsequence the difference of two codes tells both the
+    subsequence and the offset difference apart."""
+    return 2 * offsets + 1
+
+
+class Grid(NamedTuple):
+    """Positions of a batch's tokens on the (subsequence, offset) grid, flattened to (B, N), as
+    one code each: subsequence * width + offset. The difference of two codes names their relative
+    position, so `attention_bias` reads a pair's bias with one gather.
 
     A position that holds no token (padding) has subsequence index `padding_index`, one past every
-    real one: no query of a real subsequence sees it (it lies in no one's past), so no validity
-    mask is needed. A padding query sees whatever; its output is never read."""
+    real one, and offset 0: no query of a real subsequence sees it (it lies in no one's past), so
+    no validity mask is needed. A padding query sees whatever; its output is never read."""
 
-    subsequence: torch.Tensor  # (B, N) i, or padding_index
-    offset: torch.Tensor       # (B, N) j
+    code: torch.Tensor   # (B, N)
+    width: int           # `grid_width` of the largest offset
 
     @classmethod
     def of_layout(cls, layout: dict, padding_index: int) -> "Grid":
-        return cls(layout["subsequence"].masked_fill(~layout["valid"], padding_index), layout["offset"])
+        subsequence = layout["subsequence"].masked_fill(~layout["valid"], padding_index)
+        width = grid_width(int(layout["offset"].max()))
+        return cls(subsequence * width + layout["offset"], width)
 
-    def packed(self) -> torch.Tensor:
-        """(B, 2, N): both fields in one tensor, so that one cat appends and one gather moves
-        them (`of_packed` names them again, as views)."""
-        return torch.stack([self.subsequence, self.offset], 1)
+    @property
+    def subsequence(self) -> torch.Tensor:
+        return self.code.div(self.width, rounding_mode="floor")
 
-    @classmethod
-    def of_packed(cls, packed: torch.Tensor) -> "Grid":
-        return cls(*packed.unbind(1))
+    @property
+    def offset(self) -> torch.Tensor:
+        return self.code.remainder(self.width)
+
+
+class StructureTable(NamedTuple):
+    """`structure_table`'s bias of every relative grid position, indexed by head and `Grid` code
+    difference, so that `attention_bias` gathers a contiguous (B, heads, Q, K) tensor: T5's
+    attention would otherwise copy it in every layer."""
+
+    bias: torch.Tensor    # (heads, 2 * reach + 1)
+    head: torch.Tensor    # (heads, 1, 1) every head's index
 
 
 def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
-                    offsets: int) -> torch.Tensor:
+                    offsets: int) -> StructureTable:
     """The self-attention bias of every relative grid position, computed once per forward or
     `generate` so that each call only gathers from it (`attention_bias`).
 
-    Returns (padding_index + 2, 2 * offsets + 1, heads): entry [di + 1, dj + offsets] is the bias of
-    a key di subsequences before and dj tokens before its query (di = qi - ki in -1..padding_index
-    (`Grid`), where -1 stands for every key of a later subsequence; dj = qj - kj in
-    -offsets..offsets): T5's bias of the Manhattan distance di + |dj| (`distance_bias[d]`,
-    `base.past_distance_bias_table`) where the key is visible (di >= 0 and its time ki*d + kj <=
-    the query's, i.e. di*d + dj >= 0), and the dtype's lowest value where it is not.
+    Its `bias` is (heads, 2 * reach + 1), reach = padding_index * width + offsets (`grid_width`):
+    entry [:, c] (for c < 0, as Python and torch index, [:, 2 * reach + 1 + c]) is the bias of a
+    key whose `Grid` code is c less than its query's, i.e. di subsequences and dj tokens before it
+    (c = di * width + dj, di in -padding_index..padding_index, dj in -offsets..offsets): T5's bias
+    of the Manhattan distance di + |dj| (`distance_bias[d]`, `base.past_distance_bias_table`)
+    where the key is visible (di >= 0 and its time ki*d + kj <= the query's, i.e.
+    di*d + dj >= 0), and the dtype's lowest value where it is not.
     `distance_bias` must reach padding_index + offsets: a table too short for some distance fails
     here, rather than bias it as a nearer one."""
-    di = torch.arange(-1, padding_index + 1, device=distance_bias.device)[:, None]   # (I, 1)
-    dj = torch.arange(-offsets, offsets + 1, device=distance_bias.device)[None, :]   # (1, J)
-    visible = (di >= 0) & (di * delay + dj >= 0)                                     # (I, J)
-    bias = distance_bias[di.clamp(min=0) + dj.abs()]                                 # (I, J, heads)
-    return bias.masked_fill(~visible[..., None], torch.finfo(bias.dtype).min)
+    width = grid_width(offsets)
+    reach = padding_index * width + offsets
+    difference = torch.arange(-reach, reach + 1, device=distance_bias.device)          # (T,)
+    di = torch.div(difference + offsets, width, rounding_mode="floor")                  # (T,)
+    dj = difference - di * width                                                       # (T,)
+    visible = (di >= 0) & (di * delay + dj >= 0)                                       # (T,)
+    bias = distance_bias[di.clamp(min=0) + dj.abs()]                                   # (T, heads)
+    bias = bias.masked_fill(~visible[:, None], torch.finfo(bias.dtype).min)
+    # rolled so that a negative difference indexes from the end: a call adds no offset to its index
+    bias = bias.roll(-reach, 0).T.contiguous()                                         # (heads, T)
+    return StructureTable(bias, torch.arange(bias.size(0), device=bias.device)[:, None, None])
 
 
-def attention_bias(table: torch.Tensor, query: Grid, key: Grid) -> torch.Tensor:
+def attention_bias(table: StructureTable, query: Grid, key: Grid) -> torch.Tensor:
     """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility,
-    gathered from `structure_table`'s `table` (whose offsets bound is (table.size(1) - 1) / 2)."""
-    offsets = (table.size(1) - 1) // 2
-    di = (query.subsequence[:, :, None] - key.subsequence[:, None, :]).clamp_(min=-1) + 1   # (B, Q, K)
-    dj = query.offset[:, :, None] - key.offset[:, None, :] + offsets                       # (B, Q, K)
-    return table[di, dj].permute(0, 3, 1, 2)
+    gathered from `structure_table`'s `table` (made for the grids' width) by code difference."""
+    difference = query.code[:, :, None] - key.code[:, None, :]                         # (B, Q, K)
+    return table.bias[table.head, difference[:, None]]
 
 
 # ---- decoding state ----------------------------------------------------------------------------
 
-class SlotFields(NamedTuple):
-    """A slot's fields (subsequence i = slot i), each (B', n). They travel stacked in this order
-    as one (B', 3, n) tensor, so that one gather reads and one scatter writes all three;
-    `SlotFields(*packed.unbind(1))` names them again (views, no copy)."""
-
-    token: torch.Tensor    # the token it feeds next: b, then the token it emitted last
-    offset: torch.Tensor   # j of that token
-    status: torch.Tensor   # RUNNING, WAITING or DONE
-
-
 class Live(NamedTuple):
-    """Per live example, one row each (B' rows, in input order): `LiveRows.drop_finished` drops a
-    done example's row from every field at once. Packed fields are read through the properties."""
+    """Per live example, one row each (B' rows, in input order): `LiveRows.drop` drops a done
+    example's row from every field at once. Slot i holds subsequence i."""
 
-    slots: torch.Tensor           # (B', 3, max_subsequences) SlotFields, packed; written in place
-    may_start: torch.Tensor       # (B',) bool: it may start more subsequences
-    output_length: torch.Tensor   # (B',) its output's tokens as the flat layout counts them
-    packed_keys: torch.Tensor     # (B', 2, N) grid positions of the cache's columns (`Grid.packed`)
+    idle: torch.Tensor            # (B', slots) bool: runs nothing (not started, or ended); in place
+    token: torch.Tensor           # (B', slots) the token it feeds next: b, then its last; in place
+    may_start: torch.Tensor       # (B',) bool: it may start more subsequences; written in place
+    keys: torch.Tensor            # (B', N) `Grid` codes of the cache's columns
     encoder_states: torch.Tensor  # (B', source_len, d_model)
-    attention_mask: torch.Tensor  # (B', source_len)
-
-    @property
-    def slot_fields(self) -> SlotFields:
-        return SlotFields(*self.slots.unbind(1))
-
-    @property
-    def keys(self) -> Grid:
-        return Grid.of_packed(self.packed_keys)
+    cross_mask: torch.Tensor      # (B', 1, 1, source_len) `cross_attention_mask`
+    origin: torch.Tensor          # (B', 1) its row in the batch (`LiveRows.index`), for `produced`
 
 
 class State(NamedTuple):
-    """Decoding's state before a step; a step returns the next one (`_replace`)."""
+    """Decoding's state before a step; a step returns the next one. The host-side lists hold,
+    per live example, what decides on the host when it is done (`_drop_done`)."""
 
     live: Live
-    running: list[int]    # host: subsequences each live example runs at this step
-    fed: list[int]        # host: columns each live example has in the cache
-    originals: list[int]  # host: each live example's row in the batch
+    running: list[int]     # subsequences each live example runs at this step
+    fed: list[int]         # columns each live example has in the cache
+    originals: list[int]   # each live example's row in the batch
+    may_start: list[bool]  # `Live.may_start`, mirrored
+    room: list[int]        # tokens its output may still take: max_length - its length so far
 
 
 class Columns(NamedTuple):
     """A step's R columns per live example: its running slots, in subsequence order, then padding
-    (other slots, whose stale fields no real query sees and which are written back unchanged)."""
+    (other slots, whose tokens no real query sees and which are written back unchanged)."""
 
-    index: torch.Tensor   # (B', 3, R) each column's slot, expanded over the packed fields
-    slot: SlotFields      # (B', R) each: that slot's fields
-    valid: torch.Tensor   # (B', R) bool: a running slot
+    slot: torch.Tensor    # (B', R) each column's slot
+    token: torch.Tensor   # (B', R) the token it feeds
     query: Grid           # (B', R) its grid position; padding at subsequence `max_subsequences`
 
 
@@ -185,25 +190,27 @@ class Batch:
     """What one `generate` keeps beside its `State`: fixed for the batch, or written in place."""
 
     model: T5ForConditionalGeneration
-    table: torch.Tensor          # `structure_table` of the slot and offset bounds
+    table: StructureTable        # `structure_table` of the slot and offset bounds
+    width: int                   # `grid_width` of the offset bound
     cache: EncoderDecoderCache
     rows: LiveRows
-    # per example (rows leave the batch; this stays), read back once at the end: each slot's
-    # tokens, CUT where an emitted token did not fit the output bound. (B, slots + 1, length + 1)
-    produced: torch.Tensor
+    # per example (rows leave the batch; this stays), read back once at the end: slot i's token j
+    # at [i * width + j] (its `Grid` code); padding columns write to slot `max_subsequences`
+    produced: torch.Tensor       # (B, (slots + 1) * width)
     calls: list[int]             # host: decoder calls per example
     batch_calls: int = 0
+    # host: example -> (step, room before it) where its output went past max_length
+    cut_at: dict = field(default_factory=dict)
     cells_by_counts: dict = field(default_factory=dict)   # running counts -> `running_cells`
 
     def running_cells(self, running: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, column) indices, (n,) each, of the running columns: the first running[b] of
-        each row b. Built once per distinct counts, from the host."""
+        each row b. Built once per distinct counts, from the host, in one copy."""
         key = tuple(running)
         if key not in self.cells_by_counts:
-            device = self.produced.device
-            self.cells_by_counts[key] = (
-                torch.tensor([b for b, count in enumerate(running) for _ in range(count)], device=device),
-                torch.tensor([c for count in running for c in range(count)], device=device))
+            cells = [[b for b, count in enumerate(running) for _ in range(count)],
+                     [c for count in running for c in range(count)]]
+            self.cells_by_counts[key] = torch.tensor(cells, device=self.produced.device).unbind(0)
         return self.cells_by_counts[key]
 
 
@@ -305,12 +312,16 @@ class PipelinedDecoder(Decoder):
         cache length = most tokens any live example fed. (Rare: usually the example running most
         subsequences stays the fullest.)
 
-        Host syncs: one per decoder call (`LiveRows.drop_finished` reads back which examples
-        finished together with each one's running count for the next call, which sets that call's
-        width and which columns need vocabulary logits). All other bookkeeping is a few tensor ops
-        per call on per-slot state, written back with one scatter; the tokens, and what the bound
-        flags are derived from, are read back once, at the end. At batch size 1 on a CPU these ops,
-        not the model, are what a call costs beyond sequential's, so there are as few as possible.
+        Host syncs: one per decoder call (`LiveRows.read`: how many slots each example has left
+        running, and on a start step whether its new subsequence was empty). From these the host
+        keeps each example's counts and output bound, decides which examples are done and sets
+        the next call's width and which columns need vocabulary logits. A running slot's offset
+        is implied by the step (slot i started at step i*d and has run at every step since), so
+        per call the device only sorts the slots, gathers one bias, and writes the tokens back
+        with one scatter and one index write; the tokens are read back once, at the end, where
+        the tokens past the output bound are marked. On a GPU every one of these ops is a kernel
+        launch, and at batch size 1 on a CPU they, not the model, are what a call costs beyond
+        sequential's, so there are as few as possible (`tasks.bench.op_counts`).
         """
         batch, state = self._start(model, input_ids, attention_mask)
         for step in range(self.max_steps):
@@ -333,28 +344,28 @@ class PipelinedDecoder(Decoder):
         """Lines 1-3: encode the input once; every slot waits, nothing is fed yet."""
         device, batch_size = input_ids.device, input_ids.size(0)
         slots, length = self.max_subsequences, self.max_subsequence_length
-        # padding columns have subsequence index `slots` (Grid); offsets reach `length` (a slot
-        # that ran its full length, gathered as a padding column)
-        table = structure_table(past_distance_bias_table(model, slots + length), self.delay, slots, length)
+        # real offsets stay below `length`; padding columns have subsequence index `slots` (Grid)
+        table = structure_table(past_distance_bias_table(model, slots + length), self.delay, slots,
+                                length - 1)
         encoder_states = encode(model, input_ids, attention_mask)
         cache, rows = new_cache(), LiveRows(batch_size, device)
 
         def full(shape, value, dtype=torch.long):
             return torch.full(shape, value, dtype=dtype, device=device)
-        every_slot = (batch_size, slots)
-        live = Live(slots=torch.stack(SlotFields(token=full(every_slot, self.special.start),
-                                                 offset=full(every_slot, 0),
-                                                 status=full(every_slot, WAITING)), 1),
+        live = Live(idle=full((batch_size, slots), True, torch.bool),
+                    token=full((batch_size, slots), self.special.start),
                     may_start=full((batch_size,), True, torch.bool),
-                    output_length=full((batch_size,), 0),
-                    packed_keys=full((batch_size, 2, 0), 0),
-                    encoder_states=encoder_states, attention_mask=attention_mask)
-        # padding columns write into a scratch slot (index `slots`) and a scratch offset (`length`)
-        produced = full((batch_size, slots + 1, length + 1), NOT_PRODUCED)
-        batch = Batch(model, table, cache, rows, produced, calls=[0] * batch_size)
+                    keys=full((batch_size, 0), 0),
+                    encoder_states=encoder_states,
+                    cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
+                    origin=rows.index[:, None])
+        width = grid_width(length - 1)
+        produced = full((batch_size, (slots + 1) * width), NOT_PRODUCED)
+        batch = Batch(model, table, width, cache, rows, produced, calls=[0] * batch_size)
         # slot 0 starts at step 0 in every example
         return batch, State(live, running=[1] * batch_size, fed=[0] * batch_size,
-                            originals=list(range(batch_size)))
+                            originals=list(range(batch_size)), may_start=[True] * batch_size,
+                            room=[self.max_length] * batch_size)
 
     def _step(self, batch: Batch, state: State, step: int) -> State | None:
         """Lines 4-13 at time step `step`, for every live example: start subsequence step/d where
@@ -362,7 +373,7 @@ class PipelinedDecoder(Decoder):
         examples that are done. Returns the next step's state, or None when none is left."""
         live = state.live
         if self._starts_at(step):                                                       # lines 5-7
-            live.slot_fields.status[:, step // self.delay].masked_fill_(live.may_start, RUNNING)
+            live.idle[:, step // self.delay].masked_fill_(live.may_start, False)
         width = max(state.running)
         if width == 0:
             # with delay > 1 every live example may wait for its next start: no call; the live
@@ -372,94 +383,110 @@ class PipelinedDecoder(Decoder):
         # come from the host-side counts, not from a `nonzero` that would wait. Made here, before
         # this call's work is queued: on a GPU, a copy from the host waits for the queue.
         cells = batch.running_cells(state.running)
-        columns = self._columns(live, width)
-        keys = torch.cat([live.packed_keys, columns.query.packed()], 2)                 # (B', 2, N)
-        bias = attention_bias(batch.table, columns.query, Grid.of_packed(keys))        # line 8
-        hidden = run_decoder(batch.model, columns.slot.token, bias, live.encoder_states,
-                             live.attention_mask, batch.cache)                         # (B', R, d)
+        columns = self._columns(batch, live, width, step)
+        keys = torch.cat([live.keys, columns.query.code], 1)                            # (B', N)
+        bias = attention_bias(batch.table, columns.query, Grid(keys, batch.width))     # line 8
+        hidden = run_decoder(batch.model, columns.token, bias, live.encoder_states,
+                             live.cross_mask, batch.cache)                             # (B', R, d)
         logits = output_logits(batch.model, hidden[cells])                             # (n, vocab)
-        emitted = columns.slot.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: stale
+        emitted = columns.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: unchanged
         batch.batch_calls += 1
         for b, count in enumerate(state.running):
             batch.calls[state.originals[b]] += int(count > 0)
-        live = self._append(batch, live._replace(packed_keys=keys), columns, emitted)  # lines 9-11
-        return self._drop_done(batch, state._replace(live=live), step)                # lines 12-13
+        empty = self._append(batch, live, columns, emitted, step)                       # lines 9-11
+        return self._drop_done(batch, state._replace(live=live._replace(keys=keys)), step, empty)
 
-    def _columns(self, live: Live, width: int) -> Columns:
+    def _columns(self, batch: Batch, live: Live, width: int, step: int) -> Columns:
         """This step's `width` columns per live example: its running slots in subsequence order
-        (RUNNING sorts first and the sort is stable), then others as padding."""
-        order = torch.argsort(live.slot_fields.status, dim=1, stable=True)[:, :width]  # (B', R)
-        index = order[:, None].expand(-1, len(SlotFields._fields), -1)                  # (B', 3, R)
-        slot = SlotFields(*live.slots.gather(2, index).unbind(1))                       # (B', R) each
-        valid = slot.status == RUNNING
-        # a padding column feeds its slot's stale token: no real query sees it (Grid)
-        return Columns(index, slot, valid, Grid(order.masked_fill(~valid, self.max_subsequences),
-                                                slot.offset))
+        (they are not idle, and the sort is stable), then others as padding. Running slot i is at
+        offset step - i*d: it started at step i*d and has run at every step since."""
+        idle, slot = torch.sort(live.idle, dim=1, stable=True)
+        slot, padding = slot[:, :width], idle[:, :width]                              # (B', R)
+        code = (slot * (batch.width - self.delay) + step).masked_fill_(           # i*width + offset
+            padding, self.max_subsequences * batch.width)
+        # a padding column feeds its slot's token: no real query sees it (Grid)
+        return Columns(slot, live.token.gather(1, slot), Grid(code, batch.width))
 
-    def _append(self, batch: Batch, live: Live, columns: Columns, emitted: torch.Tensor) -> Live:
-        """Lines 9-11: append each running subsequence's token, as far as the example's output
-        bound allows, in subsequence order (the columns'); update the slots and may_start."""
-        slot, valid = columns.slot, columns.valid
-        ended = (emitted == self.special.eos) & valid
-        empty = ended & (slot.offset == 0)
-        counted = valid & ~empty                 # the empty terminator's end is no output
-        fits = (live.output_length[:, None] + counted.cumsum(1) <= self.max_length) & valid
-        over = (valid & ~fits).any(1)            # (B',) the output was cut here
-        output_length = live.output_length + (fits & ~empty).sum(1)
-        finished = ended | (slot.offset + 1 >= self.max_subsequence_length) | over[:, None]
-        live.slots.scatter_(2, columns.index, torch.stack(SlotFields(
-            emitted, slot.offset + valid, torch.where(finished & valid, DONE, slot.status)), 1))
-        batch.produced[batch.rows.index[:, None], columns.query.subsequence, slot.offset] = \
-            torch.where(fits, emitted, CUT)
-        # a cut output starts nothing more (under all_end nothing of it runs: it is done);
-        # under first_empty an empty subsequence stops new starts
-        stops = (over | empty.any(1)) if self.stop_rule == FIRST_EMPTY else over
-        return live._replace(may_start=live.may_start & ~stops, output_length=output_length)
+    def _append(self, batch: Batch, live: Live, columns: Columns, emitted: torch.Tensor,
+                step: int) -> torch.Tensor | None:
+        """Lines 9-11: write each running subsequence's token back to its slot and to `produced`;
+        a subsequence ends at e or at its length bound; under first_empty an empty subsequence
+        stops new starts. Returns, on a start step, (B',) whether the new subsequence was empty
+        (the output bound, which needs it, is kept on the host, `_drop_done`)."""
+        eos = self.special.eos
+        live.token.scatter_(1, columns.slot, emitted)
+        batch.produced.index_put_((live.origin, columns.query.code), emitted)
+        live.idle.logical_or_(live.token == eos)   # an idle slot's token is b or its own e already
+        # the slot that wrote its last token, at offset max_subsequence_length - 1, if any
+        started = step + 1 - self.max_subsequence_length
+        slot, late = divmod(started, self.delay)
+        if started >= 0 and late == 0 and slot < self.max_subsequences:
+            live.idle[:, slot] = True
+        if not self._starts_at(step):
+            return None
+        # a slot that did not start still holds b
+        empty = live.token[:, step // self.delay] == eos
+        if self.stop_rule == FIRST_EMPTY:
+            live.may_start.masked_fill_(empty, False)
+        return empty
 
-    def _drop_done(self, batch: Batch, state: State, step: int) -> State | None:
-        """Lines 12-13: drop the examples that are done (first_empty: nothing running and nothing
-        left to start; all_end: nothing running, whatever could still start), reading back in the
-        same transfer how many subsequences each kept example runs at the next step."""
-        live = state.live
-        still_running = live.slot_fields.status == RUNNING
-        done = ~still_running.any(1)
-        if self.stop_rule == FIRST_EMPTY and step < self._last_start():   # a start is still due
-            done = done & ~live.may_start
-        running_next = still_running.sum(1)
-        if self._starts_at(step + 1):
-            running_next = running_next + live.may_start
-        kept = batch.rows.drop_finished(done, batch.cache, *live, also=running_next)
+    def _drop_done(self, batch: Batch, state: State, step: int,
+                   empty: torch.Tensor | None) -> State | None:
+        """Lines 12-13: read back how many slots each example left running (and whether its new
+        subsequence was empty), and drop the examples that are done: those whose output went past
+        max_length, and those with nothing running and (first_empty) nothing left to start
+        (all_end: whatever could still start)."""
+        live, slots = state.live, self.max_subsequences
+        idle = live.idle.sum(1)
+        read = batch.rows.read(idle if empty is None else torch.stack([idle, empty]))  # the sync
+        idle, empty = (read, [0] * len(read)) if empty is None else read
+        start_due = self.stop_rule == FIRST_EMPTY and step < self._last_start()
+        done, running, may_start, room = [], [], [], []
+        for b, original in enumerate(state.originals):
+            still = slots - idle[b]
+            # every running column's token counts towards the output but the empty terminator's e
+            room.append(state.room[b] - (state.running[b] - empty[b]))
+            may_start.append(state.may_start[b] and not (self.stop_rule == FIRST_EMPTY and empty[b]))
+            if room[b] < 0:
+                batch.cut_at[original] = (step, state.room[b])
+            done.append(room[b] < 0 or (still == 0 and not (start_due and may_start[b])))
+            running.append(still + int(may_start[b] and self._starts_at(step + 1)))
+        kept = batch.rows.drop(done, batch.cache, *live)
         if kept is None:
             return None
-        fed = [state.fed[b] + state.running[b] for b in batch.rows.kept]
-        state = State(Live(*kept), running=batch.rows.values, fed=fed,
-                      originals=[state.originals[b] for b in batch.rows.kept])
-        if state.live.packed_keys.size(2) > max(fed):
-            state = state._replace(live=self._packed(batch, state.live, max(fed)))
+        fed = [columns + count for columns, count in zip(state.fed, state.running)]
+        state = State(Live(*kept), *([values[b] for b in batch.rows.kept] for values in (
+            running, fed, state.originals, may_start, room)))
+        if state.live.keys.size(1) > max(state.fed):
+            state = state._replace(live=self._packed(batch, state.live, max(state.fed)))
         return state
 
     def _packed(self, batch: Batch, live: Live, most_fed: int) -> Live:
         """Pack each example's fed columns to the front of the cache and its keys (stable: their
         order is kept), and crop the padding every example has past its own."""
-        padding = (live.keys.subsequence == self.max_subsequences).to(torch.int8)      # (B', N)
-        order = torch.argsort(padding, dim=1, stable=True)[:, :most_fed]               # (B', N')
+        padding = live.keys == self.max_subsequences * batch.width                   # (B', N)
+        order = torch.sort(padding, dim=1, stable=True).indices[:, :most_fed]         # (B', N')
         gather_self_attention_cache(batch.cache, order)
-        return live._replace(packed_keys=live.packed_keys.gather(2, order[:, None].expand(-1, 2, -1)))
+        return live._replace(keys=live.keys.gather(1, order))
 
     def _output(self, batch: Batch, cut_by_max_steps: set[int]) -> DecodeOutput:
-        """Line 14: every example's non-empty subsequences, in order, and what it took. The bound
-        flags come from the tokens: a slot cut at max_subsequence_length wrote a last token that
-        is not e; an output cut by max_length holds a CUT."""
-        slots, delay, eos = self.max_subsequences, self.delay, self.special.eos
-        tokens = batch.produced[:, :slots, :self.max_subsequence_length]   # (B, slots, length)
-        produced_length = (tokens >= 0).sum(-1)                             # (B, slots)
-        last = tokens[:, :, -1]
-        hit_bound = ((last >= 0) & (last != eos)).any(1) | (tokens == CUT).flatten(1).any(1)
+        """Line 14: every example's non-empty subsequences, in order, and what it took. The tokens
+        read back, the ones past the output bound are marked CUT (`_mark_cut`); the bound flags
+        come from the tokens: a slot cut at max_subsequence_length wrote a last token that is not
+        e; an output cut by max_length holds a CUT."""
+        slots, length = self.max_subsequences, self.max_subsequence_length
+        delay, eos = self.delay, self.special.eos
+        tokens, = read_back(batch.produced.view(-1, slots + 1, batch.width)[:, :slots, :length])
+        for example, (step, room) in batch.cut_at.items():
+            self._mark_cut(tokens[example], step, room)
+        produced_length = [[sum(t >= 0 for t in row) for row in rows] for rows in tokens]
+        hit_bound = [any(row[-1] >= 0 and row[-1] != eos for row in rows)
+                     or any(CUT in row for row in rows) for rows in tokens]
         if self.stop_rule == FIRST_EMPTY:
             # An example that used all `max_subsequences` slots never emitted its empty terminator:
             # it was cut by that bound as surely as by `max_steps`.
-            hit_bound = hit_bound | ~(tokens[:, :, 0] == eos).any(1)
-        tokens, produced_length, hit_bound = read_back(tokens, produced_length, hit_bound)
+            hit_bound = [cut or not any(row[0] == eos for row in rows)
+                         for cut, rows in zip(hit_bound, tokens)]
         # Under all_end an example takes part in a call at every step until it is done, so one
         # with more calls than slots*d still ran at step slots*d, whose exploration found no slot.
         cut_by_slots = [self.stop_rule == ALL_END and n > slots * delay for n in batch.calls]
@@ -467,9 +494,21 @@ class PipelinedDecoder(Decoder):
             subsequences=[self._subsequences(rows, lengths)
                           for rows, lengths in zip(tokens, produced_length)],
             decoder_calls=batch.calls, tokens=[sum(lengths) for lengths in produced_length],
-            hit_max_steps=[bool(hit_bound[b]) or b in cut_by_max_steps or cut_by_slots[b]
+            hit_max_steps=[hit_bound[b] or b in cut_by_max_steps or cut_by_slots[b]
                            for b in range(len(batch.calls))],
             batch_decoder_calls=batch.batch_calls)
+
+    def _mark_cut(self, slots: list[list[int]], step: int, room: int) -> None:
+        """Mark CUT, in one example's tokens, those of its last call (`step`) past the `room` its
+        output had left: that call's tokens are kept in subsequence order while they fit (the empty
+        terminator's e takes no room, but is cut after a token that did not fit)."""
+        used = 0
+        for i, row in enumerate(slots):
+            offset = step - i * self.delay
+            if 0 <= offset < len(row) and row[offset] != NOT_PRODUCED:
+                used += not (offset == 0 and row[offset] == self.special.eos)
+                if used > room:
+                    row[offset] = CUT
 
     def _subsequences(self, slots: list[list[int]], lengths: list[int]) -> list[list[int]]:
         """One example's non-empty subsequences, in slot order: empty slots (the terminator,

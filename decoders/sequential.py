@@ -18,8 +18,8 @@ import torch
 
 from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
-from decoders.backbone import (encode, new_cache, output_logits, past_distance_bias_table,
-                               run_decoder)
+from decoders.backbone import (cross_attention_mask, encode, new_cache, output_logits,
+                               past_distance_bias_table, run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 
@@ -57,6 +57,7 @@ class SequentialDecoder(Decoder):
     def generate(self, model, input_ids, attention_mask):
         batch_size, device, bound = input_ids.size(0), input_ids.device, self.max_new_tokens
         encoder_states = encode(model, input_ids, attention_mask)
+        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
         # T5's causal bias, computed once: the query of step t sees keys 0..t, which lie t..0 steps
         # in its past, i.e. the last t + 1 columns of `past` (distances bound-1 .. 0).
         past = past_distance_bias_table(model, bound - 1).flip(0).T[None, :, None]  # (1, heads, 1, bound)
@@ -66,16 +67,16 @@ class SequentialDecoder(Decoder):
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
         for step in range(bound):
             hidden = run_decoder(model, step_input, past[..., bound - 1 - step:], encoder_states,
-                                 attention_mask, cache)                    # (live, 1, d_model)
+                                 cross_mask, cache)                        # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
             produced[rows.index, step] = next_tokens
             if step + 1 == bound:
                 break
             kept = rows.drop_finished(next_tokens == self.special.eos, cache, encoder_states,
-                                      attention_mask, next_tokens)
+                                      cross_mask, next_tokens)
             if kept is None:
                 break
-            encoder_states, attention_mask, next_tokens = kept
+            encoder_states, cross_mask, next_tokens = kept
             step_input = next_tokens[:, None]
 
         outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once

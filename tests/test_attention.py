@@ -8,7 +8,7 @@ import torch
 
 from decoders import available, build_decoder
 from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
-from tasks.bench.sync_points import bounded
+from tasks.bench import bounded
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py

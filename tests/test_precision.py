@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from tasks.bench.sync_points import bounded
+from tasks.bench import bounded
 from tests.conftest import SPECIAL, briefly_trained, first_batch_where, tiny_t5
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # trained in float64, then cast

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from tasks.bench import sync_points
+from tasks.bench import SPECIAL, bounded, random_inputs, sync_points, tiny_random_t5
 from tests.conftest import first_batch_where
 
 pytestmark = pytest.mark.numerics  # decodes random models: see docs/testing.md
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.numerics  # decodes random models: see docs/testing.md
 
 @pytest.fixture(scope="module")
 def counted():
-    model = sync_points.tiny_random_t5()
-    input_ids, attention_mask = sync_points.random_inputs(8, model.config.vocab_size)
+    model = tiny_random_t5()
+    input_ids, attention_mask = random_inputs(8, model.config.vocab_size)
     return sync_points.sync_points_per_call(model, input_ids, attention_mask, steps=16)
 
 
@@ -30,9 +30,9 @@ def test_at_most_one_sync_point_per_decoder_call(name, counted):
 def test_pipelined_under_the_paper_stop_rule_too():
     """`counted` decodes with every decoder's defaults; the pipelined `stop_rule=all_end` ends
     examples differently and must keep to the same bound."""
-    model = sync_points.tiny_random_t5()
-    decoder = build_decoder("pipelined", model.config, sync_points.SPECIAL, stop_rule="all_end",
-                            **sync_points.bounded("pipelined", 16))
+    model = tiny_random_t5()
+    decoder = build_decoder("pipelined", model.config, SPECIAL, stop_rule="all_end",
+                            **bounded("pipelined", 16))
     with torch.no_grad():
         def several_calls(input_ids, attention_mask):
             """a batch that takes 2 or more decoder calls, so the loop runs (this decode is also

@@ -1,0 +1,46 @@
+"""Benchmarks, one command per module; shared here: the tiny random T5 they decode, its inputs and
+the decoders' bounds.
+
+The model's outputs end at different steps, so the finish-and-drop logic of every decoder runs;
+the same inputs go to every decoder.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+from decoders import SpecialTokens, decoder_class
+
+SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
+
+
+def tiny_random_t5(vocab: int = 64, seed: int = 0) -> T5ForConditionalGeneration:
+    """A tiny random T5 (the tests' fixture): a large init scale gives varied tokens, and the end
+    token's output row is pointed at the model's favourite token so outputs end after a few steps."""
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                      num_decoder_layers=2, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1, initializer_factor=6.0)
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        favourite = model.lm_head.weight.norm(dim=1)[5:].argmax() + 5
+        model.lm_head.weight[SPECIAL.eos] = model.lm_head.weight[favourite] * 1.02
+    return model
+
+
+def random_inputs(batch_size: int, vocab: int, seed: int = 1):
+    """Encoder inputs of different lengths (right-padded), ids drawn above the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 13, (batch_size,), generator=g)
+    input_ids = torch.zeros(batch_size, int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        input_ids[i, :n] = torch.randint(5, vocab, (n,), generator=g)
+    return input_ids, (input_ids != 0).long()
+
+
+def bounded(name: str, steps: int) -> dict:
+    """Every length/step bound of decoder `name` set to `steps` (its `max_*` options)."""
+    return {key: steps for key in inspect.signature(decoder_class(name)).parameters
+            if key.startswith("max_")}

@@ -21,14 +21,13 @@ the finish-and-drop logic of every decoder runs; the same inputs go to every dec
 from __future__ import annotations
 
 import argparse
-import inspect
 from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import T5Config, T5ForConditionalGeneration
 
-from decoders import SpecialTokens, available, build_decoder, decoder_class
+from decoders import available, build_decoder
+from tasks.bench import SPECIAL, bounded, random_inputs, tiny_random_t5
 from tasks.run import show_report
 
 _SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
@@ -79,38 +78,6 @@ def counting_sync_points():
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-
-
-SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
-
-
-def tiny_random_t5(vocab: int = 64, seed: int = 0) -> T5ForConditionalGeneration:
-    """A tiny random T5 (the tests' fixture): a large init scale gives varied tokens, and the end
-    token's output row is pointed at the model's favourite token so outputs end after a few steps."""
-    torch.manual_seed(seed)
-    config = T5Config(vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
-                      num_decoder_layers=2, dropout_rate=0.0, decoder_start_token_id=0,
-                      pad_token_id=0, eos_token_id=1, initializer_factor=6.0)
-    model = T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        favourite = model.lm_head.weight.norm(dim=1)[5:].argmax() + 5
-        model.lm_head.weight[SPECIAL.eos] = model.lm_head.weight[favourite] * 1.02
-    return model
-
-
-def random_inputs(batch_size: int, vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 13, (batch_size,), generator=g)
-    input_ids = torch.zeros(batch_size, int(lengths.max()), dtype=torch.long)
-    for i, n in enumerate(lengths.tolist()):
-        input_ids[i, :n] = torch.randint(5, vocab, (n,), generator=g)
-    return input_ids, (input_ids != 0).long()
-
-
-def bounded(name: str, steps: int) -> dict:
-    """Every length/step bound of decoder `name` set to `steps` (its `max_*` options)."""
-    return {key: steps for key in inspect.signature(decoder_class(name)).parameters
-            if key.startswith("max_")}
 
 
 def sync_points_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict]:

@@ -1,0 +1,162 @@
+"""ATen operations per decoder call, inside and outside the model, for every decoder and transformers' generate.
+
+    python -m tasks.bench.op_counts [--batch-sizes 1,8] [--steps 32] [--out FILE.json]
+
+On a GPU every ATen operation of a decoding loop is a kernel launch (or at least a trip through
+the dispatcher), so the bookkeeping a loop does around the model costs time even where it waits
+for nothing. This counts, while one batch is decoded, every ATen call a `TorchDispatchMode` sees,
+split in two:
+- model: calls made inside the forward of the T5 modules every decoder runs: the encoder, the
+  decoder's token embedding, each decoder block, the decoder's final norm and the output head
+  (`model_modules`). Forward hooks keep a depth count, so a module called inside another counts once.
+- loop: every other call: the decoding loop's bookkeeping, its attention biases and masks, and the
+  glue between the model's parts (for `generate`, transformers' own loop and mask building).
+Divided by the decoder calls the batch took (`DecodeOutput.batch_decoder_calls`; for `generate`,
+the generated length). Each decoder decodes the batch once before it is counted, so that lazy
+initialisations are not. The model is `tasks.bench`'s tiny random T5; a batch of size B is the B
+examples of one random batch of the largest size that `generate` decodes longest
+(`longest_decoding`), so that a small batch's count is not one decode's set-up spread over a
+couple of calls.
+"""
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from decoders import available, build_decoder
+from tasks.bench import SPECIAL, bounded, random_inputs, tiny_random_t5
+from tasks.run import show_report
+
+GENERATE = "transformers generate"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen calls, as `model` while `depth` > 0 (some hooked module's forward is running)
+    and as `loop` otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth = 0
+        self.model = 0
+        self.loop = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.depth > 0:
+            self.model += 1
+        else:
+            self.loop += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_ops(modules: Iterable[nn.Module]) -> Iterator[OpCounter]:
+    """Yields an `OpCounter` for the block, whose calls inside the forward of any of `modules`
+    count as the model's."""
+    counter = OpCounter()
+
+    def enter(module, args):
+        counter.depth += 1
+
+    def leave(module, args, output):
+        counter.depth -= 1
+
+    handles = []
+    try:
+        for module in modules:
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        with counter:
+            yield counter
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def model_modules(model) -> list[nn.Module]:
+    """The T5 modules whose work is the model's: the encoder, the decoder's token embedding, its
+    blocks and final norm, and the output head."""
+    decoder = model.decoder
+    return [model.get_encoder(), decoder.embed_tokens, *decoder.block, decoder.final_layer_norm,
+            model.lm_head]
+
+
+def ops_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict]:
+    """{name: {"loop_ops", "model_ops", "decoder_calls", "loop_per_call", "model_per_call"}} for
+    `generate` and every registered decoder, decoding one batch with every bound `steps`."""
+    modules = model_modules(model)
+    results = {}
+    with torch.no_grad():
+        with counting_ops(modules) as counter:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                 num_beams=1, max_new_tokens=steps)
+        results[GENERATE] = (counter, out.size(1) - 1)
+        for name in available():
+            decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, steps)).eval()
+            decoder.generate(model, input_ids, attention_mask)   # warm-up: lazy inits are not counted
+            with counting_ops(modules) as counter:
+                out = decoder.generate(model, input_ids, attention_mask)
+            results[name] = (counter, out.batch_decoder_calls)
+    return {name: {"loop_ops": counter.loop, "model_ops": counter.model, "decoder_calls": calls,
+                   "loop_per_call": counter.loop / max(calls, 1),
+                   "model_per_call": counter.model / max(calls, 1)}
+            for name, (counter, calls) in results.items()}
+
+
+def longest_decoding(model, input_ids, attention_mask, count: int, steps: int):
+    """The `count` examples of the batch whose greedy `generate` (at most `steps` tokens) runs
+    longest, in batch order, their padding cropped to the longest of them."""
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             num_beams=1, max_new_tokens=steps)[:, 1:]
+    # tokens up to and including the first end token (all of them where there is none)
+    ended = (out == model.config.eos_token_id).long().cumsum(1) - (out == model.config.eos_token_id).long()
+    length = (ended == 0).sum(1)                                              # (B,)
+    chosen = torch.sort(torch.argsort(length, descending=True, stable=True)[:count]).values
+    width = int(attention_mask[chosen].sum(1).max())
+    return input_ids[chosen, :width], attention_mask[chosen, :width]
+
+
+def markdown(results: dict[int, dict[str, dict]], steps: int) -> str:
+    lines = [f"ATen ops per decoder call, outside (loop) and inside (model) the T5 modules (tiny "
+             f"random T5, every bound {steps})", "",
+             "| decoder | batch size | loop ops per call | model ops per call | decoder calls |",
+             "|---|---|---|---|---|"]
+    for batch_size, rows in results.items():
+        for name, row in rows.items():
+            lines.append(f"| {name} | {batch_size} | {row['loop_per_call']:.1f} | "
+                         f"{row['model_per_call']:.1f} | {row['decoder_calls']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=32, help="every decoder's length/step bounds")
+    parser.add_argument("--out", help="also write the table as JSON here (and markdown beside it)")
+    args = parser.parse_args(argv)
+    try:
+        batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--batch-sizes={args.batch_sizes} must be comma-separated integers")
+    for flag, value in [("--steps", args.steps)] + [("--batch-sizes", size) for size in batch_sizes]:
+        if value < 1:
+            parser.error(f"{flag}: {value} must be >= 1")
+    # random weights drift into denormal floats, which a CPU handles in slow paths: flushing them
+    # changes no op count, only how long counting takes
+    torch.set_flush_denormal(True)
+    model = tiny_random_t5()
+    pool = random_inputs(max(batch_sizes), model.config.vocab_size)
+    results = {}
+    for batch_size in batch_sizes:
+        inputs = longest_decoding(model, *pool, batch_size, args.steps)
+        results[batch_size] = ops_per_call(model, *inputs, args.steps)
+    show_report(args.out, {"steps": args.steps, "batch_sizes": results}, markdown(results, args.steps))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""ATen ops per decoder call (`tasks.bench.op_counts`): the counter attributes each op to the model
+or to the loop around it, on modules built to make a known number of ops; the command counts every
+decoder and transformers' generate."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from decoders import available
+from tasks.bench import op_counts
+
+
+class AddOnes(nn.Module):
+    """A forward of exactly `k` ATen ops."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        for _ in range(self.k):
+            x = x + 1
+        return x
+
+
+class Doubled(nn.Module):
+    """One op of its own around an `AddOnes(k)`: k + 1 ops."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.inner = AddOnes(k)
+
+    def forward(self, x):
+        return self.inner(x * 2)
+
+
+def test_ops_inside_a_hooked_module_are_the_models_and_nested_ones_count_once():
+    outer = Doubled(3)
+    x = torch.zeros(4)
+    with op_counts.counting_ops([outer, outer.inner]) as counter:
+        x = x - 1                # loop: 1
+        x = outer(x)             # model: 1 + 3, the inner module's counted once
+        x = outer.inner(x)       # model: 3, called on its own
+        x = x.neg().abs()        # loop: 2
+    assert (counter.model, counter.loop) == (7, 3)
+
+
+def test_only_the_hooked_modules_count_as_the_model_and_hooks_are_removed():
+    outer, x = Doubled(2), torch.zeros(3)
+    with op_counts.counting_ops([outer.inner]) as counter:
+        outer(x)    # its own op is the loop's, the inner module's two the model's
+    assert (counter.model, counter.loop) == (2, 1)
+    assert not outer.inner._forward_pre_hooks and not outer.inner._forward_hooks
+
+
+@pytest.mark.numerics  # decodes a random model: see docs/testing.md
+def test_command_counts_every_decoder(tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    result = op_counts.main(["--batch-sizes", "1,3", "--steps", "8", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps({"steps": 8, "batch_sizes": result}))
+    assert "ATen ops per decoder call" in capsys.readouterr().out
+    for batch_size, rows in result.items():
+        assert set(rows) == {op_counts.GENERATE, *available()}
+        for name, row in rows.items():
+            assert row["decoder_calls"] >= 1 and row["model_ops"] > 0 and row["loop_ops"] > 0, name
+        # one token per call with a bias gathered from a table, against the bookkeeping of
+        # several subsequences per call
+        assert rows["sequential"]["loop_per_call"] < rows["pipelined"]["loop_per_call"], batch_size
