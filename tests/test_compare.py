@@ -9,8 +9,8 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from tasks import compare, test as test_entry
-from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, plan,
-                                   training_label, user_sets)
+from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, parse_decoders,
+                                   plan, training_label, user_sets)
 from tasks.comparison import report
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.config import ConfigError, compose
@@ -473,3 +473,9 @@ def test_a_frozen_blockwise_without_a_backbone_is_refused_before_any_work(tmp_pa
                                              *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
     assert ("decoder blockwise with decoder.freeze_backbone=true trains on a trained sequential "
             "model's backbone") in stderr
+
+
+def test_a_decoder_named_twice_is_refused_with_the_way_to_compare_its_settings():
+    with pytest.raises(ConfigError, match=r"names sequential more than once; .* --sweep decoder.OPTION"):
+        parse_decoders("sequential,pipelined,sequential")
+    assert parse_decoders(" sequential, pipelined ") == ["sequential", "pipelined"]

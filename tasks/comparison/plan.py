@@ -46,7 +46,8 @@ def row_label(cfg: DictConfig, swept: list[str]) -> str:
 
 
 def parse_decoders(text: str) -> list[str]:
-    """`--decoders a,b,c` -> names; an unknown name fails here, listing the registered ones."""
+    """`--decoders a,b,c` -> names; an unknown name fails here, listing the registered ones, and so
+    does a name given twice."""
     decoders = [d.strip() for d in text.split(",") if d.strip()]
     if not decoders:
         raise ConfigError(f"--decoders {text!r} names no decoder")
@@ -55,6 +56,10 @@ def parse_decoders(text: str) -> list[str]:
             decoder_class(name)
         except ValueError as err:
             raise ConfigError(f"--decoders: {err}") from err
+    repeated = sorted({name for name in decoders if decoders.count(name) > 1})
+    if repeated:  # two rows of one decoder and options would share a label, a table row, a metric key
+        raise ConfigError(f"--decoders {text!r} names {', '.join(repeated)} more than once; to "
+                          f"compare one decoder's settings, use --sweep decoder.OPTION=v1,v2")
     return decoders
 
 
