@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from decoders import available
-from tasks.bench import op_counts
+from tasks.bench import GENERATE, op_counts
 
 
 class AddOnes(nn.Module):
@@ -62,7 +62,7 @@ def test_command_counts_every_decoder(tmp_path, capsys):
     assert written == json.loads(json.dumps({"steps": 8, "batch_sizes": result}))
     assert "ATen ops per decoder call" in capsys.readouterr().out
     for batch_size, rows in result.items():
-        assert set(rows) == {op_counts.GENERATE, *available()}
+        assert set(rows) == {GENERATE, *available()}
         for name, row in rows.items():
             assert row["decoder_calls"] >= 1 and row["model_ops"] > 0 and row["loop_ops"] > 0, name
         # one token per call with a bias gathered from a table, against the bookkeeping of

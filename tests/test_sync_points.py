@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from tasks.bench import SPECIAL, bounded, random_inputs, sync_points, tiny_random_t5
+from tasks.bench import GENERATE, SPECIAL, bounded, random_inputs, sync_points, tiny_random_t5
 from tests.conftest import first_batch_where
 
 pytestmark = pytest.mark.numerics  # decodes random models: see docs/testing.md
@@ -66,5 +66,5 @@ def test_command_writes_the_table(tmp_path, capsys):
     out = tmp_path / "sync.json"
     result = sync_points.main(["--batch-size", "4", "--steps", "8", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert set(result) == {"transformers generate", *available()}
+    assert set(result) == {GENERATE, *available()}
     assert "sync points per decoder call" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""Benchmarks, one command per module; shared here: the tiny random T5 they decode, its inputs and
-the decoders' bounds.
+"""Benchmarks, one command per module; shared here: the tiny random T5 they decode, its inputs, the
+decoders' bounds, and one counted decode of a batch by every decoder and by transformers' generate.
 
 The model's outputs end at different steps, so the finish-and-drop logic of every decoder runs;
 the same inputs go to every decoder.
@@ -7,13 +7,15 @@ the same inputs go to every decoder.
 from __future__ import annotations
 
 import inspect
+from typing import Callable, ContextManager
 
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from decoders import SpecialTokens, decoder_class
+from decoders import SpecialTokens, available, build_decoder, decoder_class
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
+GENERATE = "transformers generate"
 
 
 def tiny_random_t5(vocab: int = 64, seed: int = 0) -> T5ForConditionalGeneration:
@@ -44,3 +46,24 @@ def bounded(name: str, steps: int) -> dict:
     """Every length/step bound of decoder `name` set to `steps` (its `max_*` options)."""
     return {key: steps for key in inspect.signature(decoder_class(name)).parameters
             if key.startswith("max_")}
+
+
+def counted_decodes(model, input_ids, attention_mask, steps: int,
+                    counting: Callable[[], ContextManager]) -> dict[str, tuple[object, int]]:
+    """{name: (counter, decoder calls)} for transformers' greedy `generate` and every registered
+    decoder, each decoding the batch once with every bound `steps` inside `counting()`, whose
+    yielded counter is returned. Each decoder decodes the batch once before it is counted, so that
+    lazy initialisations are not; `generate`'s calls are its generated length."""
+    results = {}
+    with torch.no_grad():
+        with counting() as counter:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                 num_beams=1, max_new_tokens=steps)
+        results[GENERATE] = (counter, out.size(1) - 1)
+        for name in available():
+            decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, steps)).eval()
+            decoder.generate(model, input_ids, attention_mask)
+            with counting() as counter:
+                out = decoder.generate(model, input_ids, attention_mask)
+            results[name] = (counter, out.batch_decoder_calls)
+    return results

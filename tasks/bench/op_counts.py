@@ -11,9 +11,7 @@ split in two:
   (`model_modules`). Forward hooks keep a depth count, so a module called inside another counts once.
 - loop: every other call: the decoding loop's bookkeeping, its attention biases and masks, and the
   glue between the model's parts (for `generate`, transformers' own loop and mask building).
-Divided by the decoder calls the batch took (`DecodeOutput.batch_decoder_calls`; for `generate`,
-the generated length). Each decoder decodes the batch once before it is counted, so that lazy
-initialisations are not. The model is `tasks.bench`'s tiny random T5; a batch of size B is the B
+Divided by the decoder calls the batch took (`tasks.bench.counted_decodes`). The model is `tasks.bench`'s tiny random T5; a batch of size B is the B
 examples of one random batch of the largest size that `generate` decodes longest
 (`longest_decoding`), so that a small batch's count is not one decode's set-up spread over a
 couple of calls.
@@ -28,11 +26,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoders import available, build_decoder
-from tasks.bench import SPECIAL, bounded, random_inputs, tiny_random_t5
+from tasks.bench import counted_decodes, random_inputs, tiny_random_t5
 from tasks.run import show_report
-
-GENERATE = "transformers generate"
 
 
 class OpCounter(TorchDispatchMode):
@@ -88,18 +83,7 @@ def ops_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict
     """{name: {"loop_ops", "model_ops", "decoder_calls", "loop_per_call", "model_per_call"}} for
     `generate` and every registered decoder, decoding one batch with every bound `steps`."""
     modules = model_modules(model)
-    results = {}
-    with torch.no_grad():
-        with counting_ops(modules) as counter:
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                 num_beams=1, max_new_tokens=steps)
-        results[GENERATE] = (counter, out.size(1) - 1)
-        for name in available():
-            decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, steps)).eval()
-            decoder.generate(model, input_ids, attention_mask)   # warm-up: lazy inits are not counted
-            with counting_ops(modules) as counter:
-                out = decoder.generate(model, input_ids, attention_mask)
-            results[name] = (counter, out.batch_decoder_calls)
+    results = counted_decodes(model, input_ids, attention_mask, steps, lambda: counting_ops(modules))
     return {name: {"loop_ops": counter.loop, "model_ops": counter.model, "decoder_calls": calls,
                    "loop_per_call": counter.loop / max(calls, 1),
                    "model_per_call": counter.model / max(calls, 1)}
@@ -113,7 +97,8 @@ def longest_decoding(model, input_ids, attention_mask, count: int, steps: int):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                              num_beams=1, max_new_tokens=steps)[:, 1:]
     # tokens up to and including the first end token (all of them where there is none)
-    ended = (out == model.config.eos_token_id).long().cumsum(1) - (out == model.config.eos_token_id).long()
+    is_end = (out == model.config.eos_token_id).long()
+    ended = is_end.cumsum(1) - is_end
     length = (ended == 0).sum(1)                                              # (B,)
     chosen = torch.sort(torch.argsort(length, descending=True, stable=True)[:count]).values
     width = int(attention_mask[chosen].sum(1).max())

@@ -26,8 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoders import available, build_decoder
-from tasks.bench import SPECIAL, bounded, random_inputs, tiny_random_t5
+from tasks.bench import counted_decodes, random_inputs, tiny_random_t5
 from tasks.run import show_report
 
 _SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
@@ -82,22 +81,10 @@ def counting_sync_points():
 
 def sync_points_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict]:
     """{name: {"sync_points", "decoder_calls", "per_call"}} for `generate` and every decoder."""
-    results = {}
-    with torch.no_grad():
-        with counting_sync_points() as counter:
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                 num_beams=1, max_new_tokens=steps)
-        calls = out.size(1) - 1
-        results["transformers generate"] = {"sync_points": counter.count, "decoder_calls": calls}
-        for name in available():
-            decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, steps)).eval()
-            decoder.generate(model, input_ids, attention_mask)   # warm-up: lazy inits are not counted
-            with counting_sync_points() as counter:
-                out = decoder.generate(model, input_ids, attention_mask)
-            results[name] = {"sync_points": counter.count, "decoder_calls": out.batch_decoder_calls}
-    for row in results.values():
-        row["per_call"] = row["sync_points"] / max(row["decoder_calls"], 1)
-    return results
+    results = counted_decodes(model, input_ids, attention_mask, steps, counting_sync_points)
+    return {name: {"sync_points": counter.count, "decoder_calls": calls,
+                   "per_call": counter.count / max(calls, 1)}
+            for name, (counter, calls) in results.items()}
 
 
 def markdown(results: dict[str, dict], batch_size: int, steps: int) -> str:
