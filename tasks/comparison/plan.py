@@ -12,7 +12,7 @@ from decoders import decoder_class
 from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
 from tasks.runs.checkpoints import config_differences, is_model_key
-from tasks.runs.trainer import decoder_options
+from tasks.runs.trainer import decoder_options, needs_trained_backbone
 from tasks.test import check_decoder
 
 
@@ -154,11 +154,10 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
         if builds and "freeze_backbone" in cfg.decoder and not user_set("decoder.freeze_backbone"):
             cfg.decoder.freeze_backbone = True
         loaded = cfg.decoder.name in checkpoints
-        frozen = cfg.decoder.get("freeze_backbone", False)
-        if (kind.needs_trained_backbone or frozen) and not (builds or loaded or cfg.train.init_from):
-            setting = " with decoder.freeze_backbone=true" if frozen else ""
-            raise ConfigError(f"decoder {cfg.decoder.name}{setting} trains on a trained sequential model's "
-                              f"backbone, and this comparison gives it none: add sequential to "
+        needs = needs_trained_backbone(cfg)
+        if needs and not (builds or loaded or cfg.train.init_from):
+            raise ConfigError(f"{needs} trains on a trained sequential model's backbone, and this "
+                              f"comparison gives it none: add sequential to "
                               f"--decoders (it then starts from that row's checkpoint), or set "
                               f"train.init_from=<a sequential checkpoint>")
         starts.append(builds and not loaded)  # a --ckpt row was trained already

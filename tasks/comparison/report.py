@@ -103,6 +103,11 @@ def data_name(data: str) -> str:
     return f"the JSONL folder {Path(data).name}" if "/" in data else data
 
 
+def shown_label(entry: dict) -> str:
+    """A row's label as tables and plots show it: marked when its model did not learn (`judge`)."""
+    return f"{entry['label']} (not learned)" if entry.get("not_learned") else entry["label"]
+
+
 def shown_quality(result: dict) -> list[str]:
     """The quality metrics a comparison shows: F-measures and ROUGE; precision and recall are left
     to the JSON."""
@@ -141,8 +146,7 @@ def markdown(result: dict) -> str:
             "fit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        label = f"{r['label']} (not learned)" if r.get("not_learned") else r["label"]
-        cells = [label, r["training"], *(fmt(r["quality"][k]) for k in shown),
+        cells = [shown_label(r), r["training"], *(fmt(r["quality"][k]) for k in shown),
                  fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
                  fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
@@ -152,15 +156,17 @@ def markdown(result: dict) -> str:
                  fmt(r["fit_seconds"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
-    caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, {result['device']}, "
-               f"{result['threads']} threads{flushed}, eval batch {result['eval_batch_size']}; "
+    caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, "
+               f"{result['device']}, {result['threads']} threads{flushed}, eval batch "
+               f"{result['eval_batch_size']}; "
                f"memory = {result['memory']}")
     notes = [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
              f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
         notes.append("- speedups are ratios to sequential's speed, which is not a decoder's here: "
                      "none is given")
-    return caption + "\n\n" + "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    table = caption + "\n\n" + "\n".join(lines) + "\n"
+    return table + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def pyplot():
@@ -236,9 +242,8 @@ def plot_quality_vs_speed(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     markers = "osD^vP*Xh<>p"
     for i, r in enumerate(result["rows"]):
-        label = f"{r['label']} (not learned)" if r.get("not_learned") else r["label"]
         ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0), s=50,
-                   marker=markers[i % len(markers)], label=label)
+                   marker=markers[i % len(markers)], label=shown_label(r))
     ax.set_xlabel("examples per second (batch size 1)")
     ax.set_ylabel(primary)
     ax.set_title(f"{result['task']} on {data_name(result['data'])}, {result['model']}", fontsize=10)

@@ -114,6 +114,16 @@ class Trained:
     fit_seconds: float   # this process's trainer.fit, validation included (a resume: the rest only)
 
 
+def needs_trained_backbone(cfg: DictConfig) -> str | None:
+    """The decoder of `cfg`, named with the setting that makes it so ("decoder blockwise with
+    decoder.freeze_backbone=true"), when it trains only on a trained backbone, which it freezes:
+    it `needs_trained_backbone`, or is set to freeze its backbone. None when it trains its own."""
+    frozen = cfg.decoder.get("freeze_backbone", False)
+    if not (frozen or decoder_class(cfg.decoder.name).needs_trained_backbone):
+        return None
+    return f"decoder {cfg.decoder.name}" + (" with decoder.freeze_backbone=true" if frozen else "")
+
+
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
                    callbacks=()) -> Trained:
     """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
@@ -122,13 +132,11 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     With `resume`, training goes on from that run's last checkpoint and logs into the same run;
     otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
-    frozen = cfg.decoder.get("freeze_backbone", False)
-    if resume is None and cfg.train.init_from is None and (
-            frozen or decoder_class(cfg.decoder.name).needs_trained_backbone):
+    needs = needs_trained_backbone(cfg)
+    if resume is None and cfg.train.init_from is None and needs:
         # it would train on a random frozen backbone: a result with no meaning, hours later
-        setting = " with decoder.freeze_backbone=true" if frozen else ""
-        raise ConfigError(f"decoder {cfg.decoder.name}{setting} trains only on a trained sequential "
-                          f"model's backbone: set train.init_from=<a sequential tasks.fit checkpoint>")
+        raise ConfigError(f"{needs} trains only on a trained sequential model's backbone: set "
+                          f"train.init_from=<a sequential tasks.fit checkpoint>")
     check_trainer(cfg)
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
