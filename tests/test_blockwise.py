@@ -6,12 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import decoders.blockwise as blockwise_module
+import decoders.drafts as drafts_module
 from decoders import available, build_decoder, decoder_class
 from decoders.backbone import output_logits
 from decoders.base import Decoder
-from decoders.loop import NOT_PRODUCED
-from decoders.blockwise import accepted_length, block_output
+from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
@@ -122,7 +121,8 @@ def test_accepted_length_exact():
                          [5, 6, 8],     # partial: 2
                          [5, 6, 7],     # whole block: 3
                          [5, 6, 7]])    # a later agreement after a mismatch does not count: 1
-    assert accepted_length(proposals, base[..., None]).tolist() == [0, 2, 3, 1]
+    assert accepted_length(proposals, base).tolist() == [0, 2, 3, 1]               # argmax (B, m)
+    assert accepted_length(proposals, base[..., None]).tolist() == [0, 2, 3, 1]    # top-1 (B, m, 1)
 
 
 def test_accepted_length_top_k():
@@ -132,29 +132,26 @@ def test_accepted_length_top_k():
     assert accepted_length(proposals, top2[..., :1]).tolist() == [0]
 
 
-def test_block_output():
-    """One row per case, all in one batch (rows of a batch differ in what they accept)."""
-    cases = [  # proposals, accepted, base token, room -> tokens, ended
-        ([5, 6, 7], 0, 9, 10, [9], False),
-        ([5, 6, 7], 2, 9, 10, [5, 6, 9], False),
-        ([5, 6, 7], 3, 9, 10, [5, 6, 7, 9], False),
-        # an accepted end token ends the example: the rest of the block and the base token are dropped
-        ([5, EOS, 7], 3, 9, 10, [5, EOS], True),
-        ([5, 6, 7], 2, EOS, 10, [5, 6, EOS], True),
-        # an end token among the rejected proposals does not count
-        ([5, 6, EOS], 2, 9, 10, [5, 6, 9], False),
-        # max_new_tokens cuts the block, before or after an end token
-        ([5, 6, 7], 3, 9, 2, [5, 6], False),
-        ([5, 6, EOS], 3, 9, 2, [5, 6], False),
-        ([5, EOS, 7], 3, 9, 2, [5, EOS], True),
-    ]
-    proposals, accepted, base, room = (torch.tensor([case[i] for case in cases]) for i in range(4))
-    tokens, ended = block_output(proposals, accepted, base, EOS, room)
-    assert tokens.shape == (len(cases), 4)
-    for row, case in zip(tokens.tolist(), cases):
-        expected = case[4]
-        assert row == expected + [NOT_PRODUCED] * (4 - len(expected))  # left-aligned, nothing after
-    assert ended.tolist() == [case[-1] for case in cases]
+def test_accepted_length_counts_only_offered_drafts():
+    proposals = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    base = torch.tensor([[5, 6, 7]] * 3)
+    offered = torch.tensor([3, 1, 0])   # filler after the offered tokens is never accepted
+    assert accepted_length(proposals, base[..., None], offered).tolist() == [3, 1, 0]
+
+
+@pytest.mark.parametrize("accepted,first_end,room,kept,ended", [
+    (0, 1, 10, 1, False),     # nothing accepted: the model's own token only
+    (2, 3, 10, 3, False),     # two accepted, then the model's own token
+    (3, 4, 10, 4, False),     # the whole block
+    (3, 1, 10, 2, True),      # an accepted end token ends the row: what follows it is dropped
+    (2, 2, 10, 3, True),      # the model's own token is the end token
+    (2, 3, 10, 3, False),     # an end token among the rejected drafts does not count (index 3 > 2)
+    (3, 4, 2, 2, False),      # max_new_tokens cuts the block, before an end token
+    (3, 2, 2, 2, False),      # ... or exactly at one (index 2 is past the room)
+    (3, 1, 2, 2, True),       # an end token inside the room still ends it
+])
+def test_kept_tokens(accepted, first_end, room, kept, ended):
+    assert kept_tokens(accepted, first_end, room) == (kept, ended)
 
 
 CHAIN = [10, 11, 12, 13, 14, 15, 16, 17, EOS]  # what the rigged model greedily decodes
@@ -186,7 +183,7 @@ def rig_heads(decoder, successor, wrong_at=None):
     """Stub heads that know the future: from the state at t they propose the true tokens t+2..t+k
     (iterating the successor map from the base head's own prediction), except a wrong token at
     proposal index `wrong_at`."""
-    def proposal_logits(model, hidden):                                        # hidden: (B, d)
+    def proposal_logits(model, hidden, stacked=None):                          # hidden: (B, d)
         token = output_logits(model, hidden).argmax(-1)                        # (B,) = token t+1
         proposals = []
         for i in range(decoder.block_size - 1):
@@ -264,19 +261,20 @@ def test_one_host_sync_per_decoder_call(trained):
 LONG_CHAIN = list(range(10, 50)) + [EOS]
 
 
-def test_self_attention_cache_holds_no_more_than_the_longest_live_row():
+def test_a_call_attends_to_no_more_than_the_longest_live_row():
     """Rows that accept in turns: at every call one row accepts its whole block and another none,
     so the batch maximum of accepted tokens grows by about (k + 1) / 2 per call while some row
-    always fills a whole block. The cache before each call must hold no more slots than the live
-    row with the most tokens produced so far (the bound in the module docstring), i.e. no rejected
-    proposals and no padding beyond the batch maximum. On the rigged model the first fed token of a
-    row tells how many tokens it has produced (its index in the chain + 1; the start token: 0)."""
+    always fills a whole block. Each call must attend to no more self-attention slots than the live
+    row with the most tokens produced so far needs (its count, plus the fed block: the bound in
+    decoders/drafts.py), and the cache buffer must hold at most twice that (it grows by doubling)
+    beyond its first size. On the rigged model the first fed token of a row tells how many tokens it
+    has produced (its index in the chain + 1; the start token: 0)."""
     model, successor = rigged_model(LONG_CHAIN)
     k = 4
     decoder = blockwise(model, block_size=k, max_new_tokens=len(LONG_CHAIN))
     calls = [0]
 
-    def proposal_logits(model, hidden):                                      # hidden: (live, d)
+    def proposal_logits(model, hidden, stacked=None):                        # hidden: (live, d)
         token = output_logits(model, hidden).argmax(-1)                      # (live,) = token t+1
         proposals = []
         for _ in range(k - 1):
@@ -289,25 +287,29 @@ def test_self_attention_cache_holds_no_more_than_the_longest_live_row():
         return F.one_hot(proposals, VOCAB).float()
     decoder.proposal_logits = proposal_logits
 
-    seen = []  # per call: (self-attention cache slots before it, tokens produced by each live row)
-    real_run_decoder = blockwise_module.run_decoder
+    seen = []  # per call: (slots attended, buffer slots, fed width, tokens produced by each live row)
+    real_run_decoder = drafts_module.run_decoder
 
     def recording_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache=None, **kw):
         first = input_ids[:, 0].tolist()
         produced = [0 if t == SPECIAL.start else LONG_CHAIN.index(t) + 1 for t in first]
-        seen.append((cache.self_attention_cache.get_seq_length(), produced))
-        return real_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, **kw)
+        hidden = real_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, **kw)
+        seen.append((self_bias.size(-1), cache.self_attention_cache.get_seq_length(), input_ids.size(1),
+                     produced))
+        return hidden
 
     input_ids, attention_mask = random_batch(3, seed=5)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blockwise_module, "run_decoder", recording_run_decoder)
+        patch.setattr(drafts_module, "run_decoder", recording_run_decoder)
         out = decoder.generate(model, input_ids, attention_mask)
     assert out.subsequences == [[LONG_CHAIN[:-1]]] * 3                      # still the greedy chain
     assert len(seen) == out.batch_decoder_calls
     # not vacuous: the live rows were at different lengths at 8 or more calls
-    assert sum(max(produced) > min(produced) for _, produced in seen) >= 8
-    for call, (cached, produced) in enumerate(seen):
-        assert cached <= max(produced), f"call {call}: {cached} slots for rows at {produced}"
+    assert sum(max(produced) > min(produced) for *_, produced in seen) >= 8
+    assert seen[-1][1] > seen[0][1]                                          # the buffer grew
+    for call, (attended, buffer, fed, produced) in enumerate(seen):
+        assert attended == max(produced) + fed, f"call {call}: {attended} slots for rows at {produced}"
+        assert buffer <= max(2 * attended, 16 + k), f"call {call}: buffer of {buffer} slots"
 
 
 def test_every_accepted_state_equals_the_teacher_forced_one():
@@ -341,7 +343,7 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
     position = [0] * len(sequences)   # per example: tokens produced so far = position of fed[:, 0]
     next_proposals = []               # per live row, for the heads: (example, its new position)
     calls, moved_calls, compared = [0], [0], [0]
-    real_run_decoder = blockwise_module.run_decoder
+    real_run_decoder = drafts_module.run_decoder
 
     def checking_run_decoder(model, fed, self_bias, live_states, *args, **kwargs):
         hidden = real_run_decoder(model, fed, self_bias, live_states, *args, **kwargs)  # (live, Q, d)
@@ -365,7 +367,7 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
             next_proposals.append((r, position[r]))
         return hidden
 
-    def oracle_proposal_logits(model, hidden):                               # hidden: (live, d)
+    def oracle_proposal_logits(model, hidden, stacked=None):                 # hidden: (live, d)
         proposals = []
         for r, n in next_proposals:
             seq = sequences[r]
@@ -377,7 +379,7 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
     decoder = blockwise(model, block_size=k, max_new_tokens=bound)
     decoder.proposal_logits = oracle_proposal_logits
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blockwise_module, "run_decoder", checking_run_decoder)
+        patch.setattr(drafts_module, "run_decoder", checking_run_decoder)
         out = decoder.generate(model, input_ids, attention_mask)
     assert_same_output(out, sequential(model, bound).generate(model, input_ids, attention_mask))
     # not vacuous: live rows at different lengths at most calls, many states compared
@@ -440,7 +442,9 @@ def test_heads_are_submodules_and_start_as_the_base_head():
     hidden = torch.randn(3, model.config.d_model)
     proposals = decoder.proposal_logits(model, hidden)                       # (3, k-1, V)
     assert proposals.shape == (3, 4, model.config.vocab_size)
-    assert torch.equal(proposals, output_logits(model, hidden)[:, None].expand(-1, 4, -1))
+    # the same values (all heads run as one batched matmul, which may round in another order)
+    torch.testing.assert_close(proposals, output_logits(model, hidden)[:, None].expand(-1, 4, -1),
+                               rtol=1e-12, atol=1e-12)
 
 
 # ---- 6. checkpoints, options, config ------------------------------------------------------------

@@ -1,0 +1,288 @@
+"""Draft and verify: guessed next tokens checked by the model's own greedy tokens in one decoder call.
+
+The loop the blockwise (its proposal heads draft), lookup (spans of the source draft) and aggressive
+(a non-autoregressive model drafts) decoders share: they differ only in where a draft comes from
+(`DraftAndVerifyDecoder.draft`), and each is exactly greedy decoding of its verifying model.
+
+One call. Row r has produced n_r tokens; its last one sits at position n_r (the start token at 0).
+The call feeds [y, d_1, .., d_m] (y its last token, d its draft) at positions n_r .. n_r + m. The
+model's argmax at fed position j is the greedy token after it, so the row accepts the longest prefix
+of its draft on which the argmax agrees (`accepted_length`; only the first `offered` draft tokens
+count), and then takes the model's own next token: a call yields 1 .. m + 1 tokens. The first call
+feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's top-k tokens"
+(Stern et al., Section 5: faster, no longer exact).
+
+Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
+`max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end;
+the host decides from them which rows are done and drops them (`LiveRows`). A row that goes on kept
+its whole accepted prefix plus one, so its new count is n_r + accepted + 1, computed on the device.
+
+Cache (`RowSlots`). Every row's self-attention keys and values sit at slot = position, in a buffer
+that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
+slot lies at or past the row's new count, where the next call writes its own fed tokens before
+attending, and every slot past a query's position is in its future, which the causal bias hides. So
+nothing is ever gathered, compacted or cropped: a call attends to slots 0 .. max_r(n_r) + m, and the
+bias (T5's relative bias of query position - slot, gathered from one table) hides what a row must
+not see.
+
+Host syncs: one per call, plus the final read-back of the outputs (and of a drafter's counters).
+"""
+from __future__ import annotations
+
+import abc
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+
+from decoders.backbone import (cross_attention_mask, encode, output_logits,
+                               past_distance_bias_table, run_decoder)
+from decoders.base import DecodeOutput, Decoder
+from decoders.loop import NOT_PRODUCED, LiveRows, read_back, split_flat_output
+
+
+def accepted_length(drafts: torch.Tensor, candidates: torch.Tensor,
+                    offered: torch.Tensor | None = None) -> torch.Tensor:
+    """How many leading draft tokens the model accepts.
+
+    drafts: (B, m) the fed draft tokens; candidates: the model's argmax (B, m) (exact acceptance) or
+    its top-k tokens (B, m, top_k) at the fed position *before* each draft token; offered: (B,)
+    how many of a row's m draft tokens are real (None: all). Returns (B,) longs in 0..m: the length
+    of the longest prefix of offered tokens that are all candidates.
+    """
+    if candidates.dim() == 2:
+        match = drafts == candidates                                     # (B, m)
+    else:
+        match = (drafts[..., None] == candidates).any(-1)
+    if offered is not None:
+        match &= torch.arange(drafts.size(1), device=drafts.device) < offered[:, None]
+    return match.cummin(dim=1).values.sum(dim=1)
+
+
+def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
+    """How many of a call's tokens a row keeps, and whether it ended at the end token (host ints).
+
+    The call produced the `accepted` draft tokens and then the model's own: accepted + 1 tokens,
+    whose first end token is at index `first_end` (>= accepted + 1 where there is none); `room` >= 1
+    tokens are left before max_new_tokens. Nothing after an end token is output.
+    """
+    kept = min(accepted + 1, first_end + 1, room)
+    return kept, first_end < kept
+
+
+@dataclass
+class SlotWrites:
+    """Where a call writes: row `rows[r]` (live, 1) writes its fed tokens at slots `slots[r]`
+    (live, Q); every layer then attends to slots 0..width-1 of a buffer of `capacity` slots."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    width: int
+    capacity: int
+
+
+class RowSlotLayer(DynamicLayer):
+    """One decoder layer's self-attention keys and values, (B, heads, capacity, head_dim): row r's
+    token at position p sits in slot p. Replaces the appending `DynamicLayer` of transformers' cache,
+    through the same `update` the attention calls."""
+
+    def __init__(self, writes: SlotWrites):
+        super().__init__()
+        self.writes = writes
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # zeros, not empty: an unwritten slot is hidden by the bias, but NaN garbage would survive it
+        shape = (key_states.size(0), key_states.size(1), self.writes.capacity, key_states.size(-1))
+        self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif self.keys.size(2) < self.writes.capacity:
+            self.keys, self.values = (_grown(t, self.writes.capacity) for t in (self.keys, self.values))
+        rows, slots = self.writes.rows, self.writes.slots
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)           # (live, Q, heads, head_dim)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        width = self.writes.width
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_seq_length(self) -> int:
+        return self.keys.size(2) if self.is_initialized else 0
+
+
+def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    grown = buffer.new_zeros(buffer.shape[:2] + (capacity,) + buffer.shape[3:])
+    grown[:, :, : buffer.size(2)] = buffer
+    return grown
+
+
+def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
+    """A decoder cache whose self-attention part is `RowSlotLayer`s sharing `writes`; the
+    cross-attention part (the encoder's keys and values, computed at the first call) is transformers'."""
+    self_attention = DynamicCache()  # transformers drops batch rows only from a DynamicCache
+    self_attention.layers = [RowSlotLayer(writes) for _ in range(num_layers)]
+    return EncoderDecoderCache(self_attention, DynamicCache())
+
+
+@functools.lru_cache(maxsize=16)
+def call_index_tables(heads: int, k: int, most_slots: int, device: torch.device):
+    """Index tables of a decode, made once per shape (they hold no weights): the head index
+    (heads, 1, 1) of the bias table, and for a call of Q fed tokens (1 at the first call, k after):
+    each token's fed index (Q,), fed index - slot (1, Q, most_slots) (the distances, once a row's
+    count is added) and Q itself (0-dim: "no end token among them")."""
+    fed_offset = torch.arange(k, device=device)
+    query_minus_slot = (fed_offset[:, None] - torch.arange(most_slots, device=device))[None]
+    per_queries = {q: (fed_offset[:q], query_minus_slot[:, :q], torch.tensor(q, device=device))
+                   for q in (1, k)}
+    return torch.arange(heads, device=device)[:, None, None], per_queries
+
+
+@dataclass
+class Verified:
+    """What a call settled, per live row, for the drafter of the next call."""
+
+    hidden: torch.Tensor      # (live, d_model) decoder state at the last accepted fed position
+    next_token: torch.Tensor  # (live, 1) the model's own token after the accepted ones, fed first next
+    count: torch.Tensor       # (live,) tokens produced, next_token included (its output index + 1)
+    accepted: torch.Tensor    # (live,) draft tokens of this call accepted
+    origin: torch.Tensor      # (live, 1) each row's example
+    produced: torch.Tensor    # (batch, columns) every example's tokens so far, by output index
+
+
+class DraftAndVerifyDecoder(Decoder):
+    """A decoder whose generation is draft and verify (module docstring); subclasses say where drafts
+    come from. They set `max_new_tokens` and `top_k` (1 = exact) in their constructors."""
+
+    max_new_tokens: int
+    top_k: int = 1
+    # the `stats` key counting the decoder calls of every example (beside "accepted_tokens", the
+    # tokens they produced: their ratio is the mean tokens per call)
+    calls_stat: ClassVar[str] = "draft_calls"
+
+    @property
+    @abc.abstractmethod
+    def draft_width(self) -> int:
+        """m: the draft tokens fed per call after the last accepted token (>= 1)."""
+        raise NotImplementedError
+
+    def begin_drafts(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     encoder_states: torch.Tensor) -> Any:
+        """Per-decode state of the drafter (None by default), passed to every `draft` call."""
+        return None
+
+    @abc.abstractmethod
+    def draft(self, model, state: Any, verified: Verified) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next call's drafts: (live, m) tokens, and (live,) how many of them are offered (the
+        rest are filler that is never accepted), or None when all m are."""
+        raise NotImplementedError
+
+    def draft_counters(self, state: Any) -> dict[str, torch.Tensor]:
+        """Device counters of the drafter (0-dim tensors), read back with the outputs into `stats`."""
+        return {}
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask):
+        m, end, bound = self.draft_width, self.special.eos, self.max_new_tokens
+        k = m + 1                                                    # tokens fed per call
+        batch_size, device = input_ids.size(0), input_ids.device
+        encoder_states = encode(model, input_ids, attention_mask)   # (B, S, d_model), once
+        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+        drafts_state = self.begin_drafts(model, input_ids, attention_mask, encoder_states)
+        # T5's bias of every distance a call can meet, made once; each call only gathers from it.
+        # Query positions reach bound + k - 2; a slot in a query's future (a negative distance, down
+        # to -(bound + k)) indexes the hidden entries from the table's end.
+        far = bound + k
+        past = past_distance_bias_table(model, far)                 # (far + 1, heads): 0..far
+        table = torch.cat([past, past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)]).T
+        # indexed by head and distance, so that the gathered bias is contiguous: T5's attention
+        # would otherwise copy it in every layer
+        most_slots = bound + k                  # a live row's count < bound, and it writes k slots
+        head, per_queries = call_index_tables(table.size(0), k, most_slots, device)
+        rows = LiveRows(batch_size, device)
+        row_index = rows.index                                       # (live,): 0..live-1
+        origin = row_index[:, None]                                  # (live, 1): each live row's example
+        writes = SlotWrites(origin, origin, width=1, capacity=min(most_slots, 16 + k))
+        cache = row_slot_cache(len(model.decoder.block), writes)
+        # Per example, by output index, read back once at the end. A live row has produced < bound
+        # tokens and writes at most k more.
+        produced = torch.full((batch_size, bound + k - 1), NOT_PRODUCED, dtype=torch.long, device=device)
+        count = torch.zeros(batch_size, dtype=torch.long, device=device)            # (live,) device
+        counts = [0] * batch_size                                                   # the same, host
+        final_counts, calls = [0] * batch_size, [0] * batch_size    # host, per example
+        originals = list(range(batch_size))                          # host: each live row's example
+        fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
+        drafts = offered = None                                      # what fed holds after its first token
+        batch_calls = 0
+        while True:
+            queries = fed.size(1)
+            offsets, distance_offsets, no_end = per_queries[queries]
+            writes.width = max(counts) + queries
+            if writes.width > writes.capacity:
+                writes.capacity = min(most_slots, 2 * writes.width)
+            writes.slots = count.view(-1, 1) + offsets                               # (live, Q) positions
+            distance = count.view(-1, 1, 1, 1) + distance_offsets[..., : writes.width]  # (live, 1, Q, W)
+            bias = table[head, distance]                                            # (live, heads, Q, W)
+            hidden = run_decoder(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
+            batch_calls += 1
+
+            logits = output_logits(model, hidden)                    # (live, Q, V)
+            greedy = logits.argmax(-1)                               # (live, Q): the token after each
+            if drafts is None:
+                accepted = torch.zeros_like(count)
+                tokens = greedy
+            elif self.top_k == 1:
+                accepted = accepted_length(drafts, greedy[:, :-1], offered)
+                tokens = greedy  # an accepted draft token is the argmax before it
+            else:
+                candidates = logits[:, :-1].topk(min(self.top_k, logits.size(-1)), dim=-1).indices
+                accepted = accepted_length(drafts, candidates, offered)
+                tokens = torch.where(offsets < accepted[:, None],
+                                     torch.cat([drafts, greedy[:, -1:]], dim=1), greedy)
+            # every fed index's token goes to its output index; a row's count tells where its output
+            # ends, and the next call overwrites what lies past it
+            produced[origin, writes.slots] = tokens
+            first_end = torch.where(tokens == end, offsets, no_end).amin(dim=1)     # (live,)
+            next_token = greedy.gather(1, accepted[:, None])         # (live, 1)
+            count = count + accepted + 1                             # right for every row that goes on
+            verified = Verified(hidden[row_index, accepted], next_token, count, accepted, origin, produced)
+            drafts, offered = self.draft(model, drafts_state, verified)
+
+            # the one host sync of the call
+            accepted_host, first_end_host = rows.read(torch.stack([accepted, first_end]))
+            done = []
+            for b, example in enumerate(originals):
+                kept, ended = kept_tokens(accepted_host[b], first_end_host[b], bound - counts[b])
+                counts[b] += kept
+                done.append(ended or counts[b] >= bound)
+                if done[-1]:
+                    final_counts[example], calls[example] = counts[b], batch_calls
+            kept_rows = rows.drop(done, cache, encoder_states, cross_mask, count, origin, next_token,
+                                  drafts, *([] if offered is None else [offered]))
+            if kept_rows is None:
+                break
+            encoder_states, cross_mask, count, origin, next_token, drafts, *rest = kept_rows
+            offered = rest[0] if rest else None
+            originals = [originals[b] for b in rows.kept]
+            counts = [counts[b] for b in rows.kept]
+            if len(rows.kept) < len(done):
+                row_index = row_index[: len(rows.kept)]
+                writes.rows = row_index[:, None]
+            fed = torch.cat([next_token, drafts], dim=1)             # (live, k)
+
+        counters = self.draft_counters(drafts_state)
+        read, *counter_values = read_back(produced, *counters.values())   # the one read-back of results
+        outputs = [row[:n] for row, n in zip(read, final_counts)]
+        split = [split_flat_output(tokens, self.special) for tokens in outputs]
+        return DecodeOutput(
+            subsequences=[subsequences for subsequences, _ in split],
+            decoder_calls=calls,
+            tokens=[len(tokens) for tokens in outputs],
+            hit_max_steps=[not ended for _, ended in split],
+            batch_decoder_calls=batch_calls,
+            stats={"accepted_tokens": float(sum(final_counts)), self.calls_stat: float(sum(calls)),
+                   **{name: float(value[0] if isinstance(value, list) else value)
+                      for name, value in zip(counters, counter_values)}},
+        )
