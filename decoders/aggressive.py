@@ -88,6 +88,17 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
             nar_decoder.iterations = int(self.drafter_iterations)
         self.attached = (nar_decoder, nar_model)
 
+    # the attached drafter follows the decoder's device, dtype and train/eval mode
+    def _apply(self, fn, recurse=True):
+        for module in self.attached or ():
+            module._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True):
+        for module in self.attached or ():
+            module.train(mode)
+        return super().train(mode)
+
     # ---- training: none; it decodes a sequential checkpoint ----------------------------------
     def loss(self, model, input_ids, attention_mask, layout):
         raise NotImplementedError("the aggressive decoder trains nothing: decode a sequential "
