@@ -257,3 +257,78 @@ def test_decoding_without_a_drafter_is_refused():
     decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND)
     with pytest.raises(RuntimeError, match="no drafter"):
         decoder.generate(model, *random_batch(2))
+
+
+# ---- 4. the tasks layer: the drafter checkpoint -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory):
+    """Untrained sequential and nar checkpoints of the same configuration (one tokenizer), and a
+    nar checkpoint whose stored tokenizer is another."""
+    from tests.test_predict import saved
+    folder = tmp_path_factory.mktemp("aggressive")
+    sequential_ckpt = saved(folder / "sequential", "keyphrase", "sequential")
+    nar_ckpt = saved(folder / "nar", "keyphrase", "nar")
+    other = torch.load(nar_ckpt.path, weights_only=True)
+    other["tokenizer_json"] = other["tokenizer_json"].replace('"unk_token"', '"unk_token_other"', 1)
+    assert other["tokenizer_json"] != torch.load(nar_ckpt.path, weights_only=True)["tokenizer_json"]
+    other_path = folder / "other-tokenizer.ckpt"
+    torch.save(other, other_path)
+    return SimpleNamespace(sequential=sequential_ckpt, nar=nar_ckpt.path, other_tokenizer=str(other_path))
+
+
+def refused_by_test(argv, monkeypatch, capsys) -> str:
+    """stderr of tasks.test run as its command line: exit code 2, one message, nothing built."""
+    from tasks import run, test as test_entry
+    from tasks.runs import trainer
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before refusing"))
+    monkeypatch.setattr(test_entry, "build", lambda *a, **k: pytest.fail("built before refusing"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run.main_guard(lambda: test_entry.main(argv))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("drafter,message", [
+    (None, "decoder=aggressive needs a drafter: set decoder.drafter=NAR_CKPT"),
+    ("missing", "no such checkpoint file"),
+    ("sequential", "was trained with decoder 'sequential'; the aggressive decoder drafts with a nar checkpoint"),
+    ("other_tokenizer", "has another tokenizer than the checkpoint it drafts for"),
+])
+def test_a_bad_drafter_is_refused_before_any_work(drafter, message, saved_checkpoints, tmp_path,
+                                                  monkeypatch, capsys):
+    paths = {"missing": str(tmp_path / "nowhere.ckpt"), "sequential": saved_checkpoints.sequential.path,
+             "other_tokenizer": saved_checkpoints.other_tokenizer}
+    argv = ["--ckpt", saved_checkpoints.sequential.path, "decoder=aggressive"]
+    if drafter is not None:
+        argv.append(f"decoder.drafter={paths[drafter]}")
+    assert message in refused_by_test(argv, monkeypatch, capsys)
+
+
+def test_fit_refuses_the_aggressive_decoder_and_names_the_way(tmp_path, monkeypatch, capsys):
+    from tasks import fit
+    from tests.test_faults import fails_before_any_work
+    from tests.test_end_to_end import TINY, tracking
+    stderr = fails_before_any_work(fit, ["--decoder", "aggressive", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
+
+
+def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
+    from tasks.runs.checkpoints import load_checkpoint
+    from tasks.test import checkpoint_config, restore_module
+    path = saved_checkpoints.sequential.path
+    checkpoint = load_checkpoint(path)
+    cfg = checkpoint_config(checkpoint, path, ["decoder=aggressive", f"decoder.drafter={saved_checkpoints.nar}",
+                                               "decoder.draft_tokens=3"])
+    module = restore_module(checkpoint, path, cfg).eval()
+    nar_decoder, _ = module.decoder.attached
+    assert nar_decoder.name == "nar"
+    verifier = restore_module(checkpoint, path, checkpoint_config(checkpoint, path, [])).eval()
+    input_ids, attention_mask = random_batch(4, seed=2)
+    input_ids = input_ids % verifier.backbone.config.vocab_size
+    out = module.decoder.generate(module.backbone, input_ids, attention_mask)
+    ref = verifier.decoder.generate(verifier.backbone, input_ids, attention_mask)
+    assert out.subsequences == ref.subsequences and out.tokens == ref.tokens
