@@ -96,30 +96,37 @@ def self_attention_bias(model, valid: torch.Tensor) -> torch.Tensor:
 
 
 def tokens_to_remask(confidence: torch.Tensor, lengths: torch.Tensor, iteration: int,
-                     iterations: int) -> torch.Tensor:
+                     iterations: int, given: torch.Tensor | None = None) -> torch.Tensor:
     """Mask-Predict's schedule: which positions to re-mask before iteration `iteration` (0-based).
 
     confidence: (B, W) score of each current token (a probability or a log-probability: only the
-    order matters); lengths: (B,) real lengths L, positions >= L are padding.
-    Re-masks the n = floor(L * (T - t) / T) least confident real positions of each row (t = 0: all
-    of them); ties are broken towards the lower position; padding is never re-masked.
+    order matters); lengths: (B,) real lengths L, positions >= L are padding; given: (B,) how many
+    leading positions are given (fixed tokens, never re-masked; None: none are).
+    Re-masks the n = floor(F * (T - t) / T) least confident of the F = L - given free positions of
+    each row (t = 0: all of them); ties are broken towards the lower position.
     -> (B, W) bool.
     """
     if not 0 <= iteration < iterations:
         raise ValueError(f"iteration must be in 0..{iterations - 1}, got {iteration}")
     width = confidence.size(1)
-    valid = torch.arange(width, device=confidence.device)[None, :] < lengths[:, None]     # (B, W)
-    count = torch.div(lengths * (iterations - iteration), iterations, rounding_mode="floor")  # (B,)
-    # +inf puts padding after every real position; a stable ascending sort keeps the lower
-    # position first among equal confidences, which makes the choice deterministic.
-    order = torch.sort(confidence.masked_fill(~valid, float("inf")), dim=1, stable=True).indices
+    positions = torch.arange(width, device=confidence.device)[None, :]
+    free = positions < lengths[:, None]                                                   # (B, W)
+    free_count = lengths
+    if given is not None:
+        free = free & (positions >= given[:, None])
+        free_count = lengths - given
+    count = torch.div(free_count * (iterations - iteration), iterations, rounding_mode="floor")  # (B,)
+    # +inf puts padding and given positions after every free one; a stable ascending sort keeps
+    # the lower position first among equal confidences, which makes the choice deterministic.
+    order = torch.sort(confidence.masked_fill(~free, float("inf")), dim=1, stable=True).indices
     rank = torch.empty_like(order).scatter_(
         1, order, torch.arange(width, device=order.device).expand_as(order))              # (B, W)
-    return (rank < count[:, None]) & valid
+    return (rank < count[:, None]) & free
 
 
 def mask_predict_passes(length: int, iterations: int) -> int:
-    """Decoder passes Mask-Predict needs for a target of `length` L >= 1 with T = `iterations`.
+    """Decoder passes Mask-Predict needs for a target of `length` L >= 1 with T = `iterations` (or
+    for L free positions of a longer target whose other positions are given).
 
     Pass 0 predicts all L positions; iteration t = 1..T-1 re-masks floor(L*(T-t)/T) of them, which
     is > 0 iff T - t >= T/L, i.e. t <= T - ceil(T/L) (the count only shrinks with t). Iterations
@@ -267,13 +274,43 @@ class MaskPredictDecoder(Decoder):
             torch.max(block, -1, out=(confidence[start:end], tokens[start:end]))
         return tokens.view(logits.shape[:2]), confidence.view(logits.shape[:2])
 
-    @torch.no_grad()
-    def generate(self, model, input_ids, attention_mask):
-        batch_size = input_ids.size(0)
-        device = input_ids.device
-        k = self.length_candidates
-        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
+    def mask_predict(self, model, decoder_input: torch.Tensor, lengths: torch.Tensor,
+                     given: torch.Tensor | None, passes: int, encoder_states: torch.Tensor,
+                     encoder_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mask-Predict of rows of lengths L, in `passes` decoder calls (host int: what the row with
+        the most free positions needs, `mask_predict_passes`), the first `given` positions of each
+        row fixed (None: none are; a drafter re-drafting after a verified prefix gives them).
 
+        decoder_input: (N, W) the given tokens before `given`, the mask token at the free positions
+        given..L-1 and padding after; lengths, given: (N,); encoder_states: (N, S, d_model);
+        encoder_mask: its (N, 1, 1, S) `cross_attention_mask`. -> tokens (N, W) (given tokens kept,
+        padding after L) and confidences (N, W), meaningful at the free positions.
+        """
+        width = decoder_input.size(1)
+        positions = torch.arange(width, device=decoder_input.device)[None, :]
+        valid = positions < lengths[:, None]                                   # (N, W)
+        free = valid if given is None else valid & (positions >= given[:, None])
+        bias = self_attention_bias(model, valid)  # (N, heads, W, W): the same for every iteration
+
+        # iteration 0: every free position predicted in one pass
+        tokens, confidence = self._predict(model, decoder_input, bias, encoder_states, encoder_mask)
+        tokens = torch.where(free, tokens, decoder_input)  # given tokens and padding stay as given
+        for t in range(1, passes):  # the later iterations would re-mask nothing
+            remask = tokens_to_remask(confidence, lengths, t, self.iterations, given)     # (N, W)
+            decoder_input = torch.where(remask, self.special.mask, tokens)                # (N, W)
+            new_tokens, new_confidence = self._predict(model, decoder_input, bias, encoder_states,
+                                                       encoder_mask)
+            # as in Mask-Predict, only the re-masked positions change (token and confidence)
+            tokens = torch.where(remask, new_tokens, tokens)
+            confidence = torch.where(remask, new_confidence, confidence)
+        return tokens, confidence
+
+    def predict_outputs(self, model, encoder_states: torch.Tensor, attention_mask: torch.Tensor):
+        """Every example's output, from the encoder's states (B, S, d_model) and mask (B, S): the
+        chosen candidate's tokens (B, W) and length L (B,), both on the device, and the passes each
+        example's candidates need (host ints, see the module docstring)."""
+        batch_size, device = encoder_states.size(0), encoder_states.device
+        k = self.length_candidates
         # top-k lengths; a stable descending sort makes equal scores prefer the shorter length
         length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_length)
         order = torch.sort(length_scores, dim=1, descending=True, stable=True).indices
@@ -290,29 +327,23 @@ class MaskPredictDecoder(Decoder):
         calls = [mask_predict_passes(max(candidate_lengths[i * k:(i + 1) * k]), self.iterations)
                  for i in range(batch_size)]                                # (B,) see the docstring
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]    # (N, W)
-        bias = self_attention_bias(model, valid)  # (N, heads, W, W): the same for every iteration
         mask_input = torch.where(valid, self.special.mask, self.special.pad)     # (N, W)
-
-        # iteration 0: every position masked, all predicted in one pass
-        tokens, confidence = self._predict(model, mask_input, bias, encoder_states, encoder_mask)
-        tokens = torch.where(valid, tokens, self.special.pad)  # padding stays padding in later inputs
-        for t in range(1, max(calls)):  # the later iterations would re-mask nothing
-            remask = tokens_to_remask(confidence, lengths, t, self.iterations)            # (N, W)
-            decoder_input = torch.where(remask, self.special.mask, tokens)                # (N, W)
-            new_tokens, new_confidence = self._predict(model, decoder_input, bias, encoder_states,
-                                                       encoder_mask)
-            # as in Mask-Predict, only the re-masked positions change (token and confidence)
-            tokens = torch.where(remask, new_tokens, tokens)
-            confidence = torch.where(remask, new_confidence, confidence)
+        tokens, confidence = self.mask_predict(model, mask_input, lengths, None, max(calls),
+                                               encoder_states, encoder_mask)
 
         # the candidate with the highest mean log-probability (first, i.e. most likely length, on ties)
         mean_log_prob = (confidence.masked_fill(~valid, 0.0).sum(1) / lengths).view(batch_size, k)
         best = mean_log_prob.argmax(1) + torch.arange(batch_size, device=device) * k      # (B,) row in N
-        chosen = torch.cat([best[:, None], tokens[best]], dim=1).tolist()  # the results' one read-back
+        return tokens[best], lengths[best], calls
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask):
+        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
+        tokens, lengths, calls = self.predict_outputs(model, encoder_states, attention_mask)
+        chosen = torch.cat([lengths[:, None], tokens], dim=1).tolist()    # the results' one read-back
 
         subsequences, chosen_lengths, hit_bound = [], [], []
-        for row, *chosen_tokens in chosen:
-            length = candidate_lengths[row]
+        for length, *chosen_tokens in chosen:
             parts, ended = split_flat_output(chosen_tokens[:length], self.special)
             subsequences.append(parts)
             chosen_lengths.append(length)

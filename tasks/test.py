@@ -5,7 +5,10 @@
 Overrides may change the data (e.g. `data=jsonl data.path=DIR`), the evaluation settings and the
 decoder's options; the task and the model are those the checkpoint was trained with. Another decoder
 may be chosen only where its layout agrees with the trained one (e.g. sequential decoding of a
-blockwise-trained base head).
+blockwise-trained base head). The aggressive decoder verifies with the checkpoint and drafts with
+the nar checkpoint `decoder.drafter` names (the same tokenizer; checked before any work):
+
+    python -m tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT
 """
 from __future__ import annotations
 
@@ -33,7 +36,44 @@ def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_
             raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
                               f"it cannot be used as {group} {cfg[group][key]!r}")
     check_decoder(checkpoint, path, cfg.decoder.name)
+    if cfg.decoder.name == "aggressive":
+        drafter_checkpoint(cfg, checkpoint)  # refused here, before any work, if it cannot draft
     return cfg
+
+
+def drafter_checkpoint(cfg, verifier: dict) -> dict:
+    """The checkpoint `decoder.drafter` names for an aggressive decoder verifying with the
+    checkpoint `verifier`: a nar checkpoint with the verifier's tokenizer, else ConfigError."""
+    path = cfg.decoder.drafter
+    if path is None:
+        raise ConfigError("decoder=aggressive needs a drafter: set decoder.drafter=NAR_CKPT, a "
+                          "checkpoint written by tasks.fit --decoder nar")
+    drafter = load_checkpoint(path)
+    stored = drafter["hyper_parameters"]["cfg"]
+    trained_with = drafter.get("decoder_name", stored["decoder"]["name"])
+    if trained_with != "nar":
+        raise ConfigError(f"decoder.drafter={path} was trained with decoder {trained_with!r}; the "
+                          f"aggressive decoder drafts with a nar checkpoint")
+    if tokenizer_identity(drafter) != tokenizer_identity(verifier):
+        raise ConfigError(f"decoder.drafter={path} has another tokenizer than the checkpoint it "
+                          f"drafts for; a drafter and its verifier must share one")
+    return drafter
+
+
+def tokenizer_identity(checkpoint: dict):
+    """What identifies a checkpoint's tokenizer: the tokenizer it stores, or else (a pretrained
+    model's, loaded again by name) the model's name."""
+    if checkpoint.get("tokenizer_json") is not None:
+        return checkpoint["tokenizer_json"], checkpoint.get("tokenizer_settings")
+    return checkpoint["hyper_parameters"]["cfg"]["model"]["name"]
+
+
+def attach_drafter(module: GenerationTask, cfg, verifier: dict) -> None:
+    """An aggressive decoder's drafter, restored from `decoder.drafter` and attached to it."""
+    path = cfg.decoder.drafter
+    drafter = drafter_checkpoint(cfg, verifier)
+    nar = restore_module(drafter, path, checkpoint_config(drafter, path, []))
+    module.decoder.attach_drafter(nar.decoder, nar.backbone)
 
 
 def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
@@ -62,6 +102,8 @@ def restore(checkpoint: dict, path: str, cfg):
     (`load_weights`)."""
     built = build(cfg, stored_model(checkpoint))
     load_weights(built.module, checkpoint, path)
+    if cfg.decoder.name == "aggressive":
+        attach_drafter(built.module, cfg, checkpoint)
     return built
 
 
@@ -74,6 +116,8 @@ def restore_module(checkpoint: dict, path: str, cfg) -> GenerationTask:
                           f"which loads one as its data is read")
     module = build_module(cfg, stored.tokenizer, stored.backbone_config)
     load_weights(module, checkpoint, path)
+    if cfg.decoder.name == "aggressive":
+        attach_drafter(module, cfg, checkpoint)
     return module
 
 

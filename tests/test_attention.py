@@ -8,7 +8,7 @@ import torch
 
 from decoders import available, build_decoder
 from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
-from tasks.bench import bounded
+from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
@@ -48,7 +48,7 @@ def test_every_decoder_decodes_the_same_under_eager_and_sdpa(name):
     eager = tiny_t5(1)
     # every length/step bound at 10: enough for several subsequences, quick on a random model
     bounds = bounded(name, 10)
-    decoder = build_decoder(name, eager.config, SPECIAL, **bounds)
+    decoder = with_drafter(build_decoder(name, eager.config, SPECIAL, **bounds), eager)
     input_ids, attention_mask = random_batch(6, seed=8)
     reference = decoder.generate(eager, input_ids, attention_mask)
     out = decoder.generate(under(eager, "sdpa"), input_ids, attention_mask)

@@ -6,6 +6,7 @@ import torch
 
 from decoders import available, build_decoder
 from decoders.sequential import join_subsequences
+from tasks.bench import with_drafter
 from tasks.config import compose
 from tasks.runs.trainer import decoder_options
 from tests.conftest import SPECIAL, first_batch_where, random_batch, tiny_t5
@@ -18,7 +19,7 @@ def decoder_at(name: str, model, bound: int, like=None):
     pipelined's slot limits wide enough not to bind first; `like`'s weights, if given."""
     cfg = compose("keyphrase", name, None, [f"data.max_target_length={bound}",
                                             "data.max_subsequences=16", "data.max_subsequence_length=64"])
-    decoder = build_decoder(name, model.config, SPECIAL, **decoder_options(cfg))
+    decoder = with_drafter(build_decoder(name, model.config, SPECIAL, **decoder_options(cfg)), model)
     if like is not None:
         decoder.load_state_dict(like.state_dict())
     return decoder

@@ -264,6 +264,12 @@ DECODER_BAD_VALUES = [
                                           "plus at least one proposal head), got 1"),
     ("blockwise", "decoder.top_k=0", "decoder.top_k must be an integer >= 1 (1 = exact acceptance), got 0"),
     ("blockwise", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    ("aggressive", "decoder.draft_tokens=0",
+     "decoder.draft_tokens must be an integer >= 1 (draft tokens verified per call), got 0"),
+    ("aggressive", "decoder.top_k=0", "decoder.top_k must be an integer >= 1 (1 = exact acceptance), got 0"),
+    ("aggressive", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    ("aggressive", "decoder.drafter_iterations=0", "decoder.drafter_iterations must be an integer >= 1 or null (null: the drafter's own "
+                               "iterations), got 0"),
     ("nar", "decoder.iterations=0", "decoder.iterations must be an integer >= 1, got 0"),
     ("nar", "decoder.length_candidates=0",
      "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (40), got 0"),

@@ -37,6 +37,8 @@ def count_non_finite_logits(model) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", available())
 def test_bf16_autocast_decoding_is_finite_and_agrees_with_float32(name):
+    if name == "aggressive":
+        pytest.skip("aggressive trains nothing: its tokens are its verifier's, sequential's here")
     model = tiny_t5(0, initializer_factor=1.0)  # T5's own init scale: a model that trains well
     bounds = bounded(name, 12)
     decoder = build_decoder(name, model.config, SPECIAL, **bounds)

@@ -24,6 +24,11 @@ def counted():
 def test_at_most_one_sync_point_per_decoder_call(name, counted):
     row = counted[name]
     assert row["decoder_calls"] >= 1
+    if name == "aggressive":
+        # one more per call (which rows re-draft) and two per decode for the drafter's own encoder
+        # and length read-back
+        assert row["sync_points"] <= 2 * row["decoder_calls"] + 4, row
+        return
     assert row["sync_points"] <= row["decoder_calls"] + 2, row
 
 

@@ -13,6 +13,7 @@ import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
+from decoders.aggressive import AggressiveDecoder
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"
@@ -48,6 +49,17 @@ def bounded(name: str, steps: int) -> dict:
             if key.startswith("max_")}
 
 
+def with_drafter(decoder, model):
+    """`decoder`, ready to decode `model`: a decoder that drafts with a model of its own (aggressive)
+    gets a random Mask-Predict drafter on a tiny random T5 of `model`'s vocabulary and dtype."""
+    if isinstance(decoder, AggressiveDecoder):
+        drafter_model = tiny_random_t5(model.config.vocab_size, seed=1).to(model.dtype)
+        drafter = build_decoder("nar", drafter_model.config, decoder.special,
+                                max_length=decoder.max_new_tokens).to(model.dtype).eval()
+        decoder.attach_drafter(drafter, drafter_model)
+    return decoder
+
+
 def counted_decodes(model, input_ids, attention_mask, steps: int,
                     counting: Callable[[], ContextManager]) -> dict[str, tuple[object, int]]:
     """{name: (counter, decoder calls)} for transformers' greedy `generate` and every registered
@@ -61,7 +73,8 @@ def counted_decodes(model, input_ids, attention_mask, steps: int,
                                  num_beams=1, max_new_tokens=steps)
         results[GENERATE] = (counter, out.size(1) - 1)
         for name in available():
-            decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, steps)).eval()
+            decoder = with_drafter(build_decoder(name, model.config, SPECIAL, **bounded(name, steps)),
+                                   model).eval()
             decoder.generate(model, input_ids, attention_mask)
             with counting() as counter:
                 out = decoder.generate(model, input_ids, attention_mask)

@@ -1,0 +1,199 @@
+"""Aggressive decoding: a non-autoregressive model drafts the output, the autoregressive model verifies.
+
+Reference: Ge, Xia, Sun, Chen, Wei 2022, "Lossless Acceleration for Seq2seq Generation with
+Aggressive Decoding" (Generalized Aggressive Decoding, GAD). The verifier is the backbone `generate`
+receives, decoded with the sequential layout; the drafter is a separately trained Mask-Predict model
+(`decoders/nar.py`), attached with `attach_drafter` (the tasks layer loads its checkpoint).
+
+Algorithm.
+    1. The drafter drafts every example's whole output: Mask-Predict, T iterations.
+    2. Draft and verify (`decoders/drafts.py`): a verifier call feeds the row's last token and the next
+       `draft_tokens` draft tokens at the row's current output index, accepts the longest prefix its
+       greedy tokens agree with and appends its own token after it (1 .. draft_tokens + 1 tokens).
+    3. Re-draft: where the verifier's own token differs from the draft at its index, the rest of the
+       draft was conditioned on a wrong prefix, so the drafter drafts again with the verified prefix
+       given (those positions fixed, the rest masked: `MaskPredictDecoder.mask_predict`), at the
+       same length. Where the verified output has outgrown the draft, the drafter re-drafts too, at
+       a length `draft_tokens` past the verified prefix (capped at its `max_length`; past that
+       nothing is offered and the verifier goes on alone, one token per call).
+With `top_k` = 1 the output is exactly sequential greedy decoding of the verifier, whatever the
+drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
+the verifier's top-k tokens there): faster, no longer exact.
+
+Host syncs: besides the loop's one per verifier call, one per call to decide which rows re-draft (and
+the re-draft's shapes), and the drafter's own encoder and length read-back once per decode.
+Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
+accepted, the rows re-drafted and the drafter's decoder passes (first draft and re-drafts) are
+reported beside them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from decoders import register
+from datamodules.vocabulary import Range, SpecialTokens
+from decoders.backbone import cross_attention_mask, encode
+from decoders.drafts import DraftAndVerifyDecoder, Verified
+from decoders.nar import MaskPredictDecoder, mask_predict_passes
+from decoders.sequential import SequentialDecoder
+
+
+@dataclass
+class Drafts:
+    """The drafter's state over one decode, per example (index: the example's row in the batch)."""
+
+    encoder_states: torch.Tensor  # (B, S, d_model) the drafter's own encoder output
+    encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
+    tokens: torch.Tensor          # (B, max_length) the current draft, by output index
+    lengths: torch.Tensor         # (B,) how many of them are drafted
+    fed_offered: torch.Tensor     # (B,) draft tokens offered in the example's last drafts
+    offered: torch.Tensor         # 0-dim: draft tokens offered to the verifier so far
+    accepted: torch.Tensor        # 0-dim: draft tokens it accepted
+    redrafts: int = 0             # rows drafted again
+    passes: int = 0               # the drafter's decoder passes
+
+
+@register("aggressive")
+class AggressiveDecoder(DraftAndVerifyDecoder):
+    layout_family = "flat-causal"  # it decodes a sequential checkpoint and trains nothing of its own
+    decode_options = ("draft_tokens", "drafter", "top_k", "max_new_tokens", "drafter_iterations")
+    calls_stat = "aggressive_calls"
+    layout = SequentialDecoder.layout
+
+    option_ranges = {"draft_tokens": Range(ge=1, note="draft tokens verified per call"),
+                     "top_k": Range(ge=1, note="1 = exact acceptance"), "max_new_tokens": Range(ge=1),
+                     "drafter_iterations": Range(ge=1, optional=True,
+                                                 note="null: the drafter's own iterations")}
+
+    def __init__(self, backbone_config, special: SpecialTokens, draft_tokens: int = 8,
+                 drafter: str | None = None, top_k: int = 1, max_new_tokens: int = 128,
+                 drafter_iterations: int | None = None):
+        super().__init__(backbone_config, special, draft_tokens=draft_tokens, top_k=top_k,
+                         max_new_tokens=max_new_tokens, drafter_iterations=drafter_iterations)
+        self.draft_tokens = int(draft_tokens)
+        self.drafter = drafter  # the drafter checkpoint's path, read by the tasks layer only
+        self.top_k = int(top_k)
+        self.max_new_tokens = int(max_new_tokens)
+        self.drafter_iterations = drafter_iterations
+        # attached, not submodules: the drafter is its own checkpoint, never saved with this one
+        self.attached: tuple[MaskPredictDecoder, torch.nn.Module] | None = None
+
+    def attach_drafter(self, nar_decoder: MaskPredictDecoder, nar_model: torch.nn.Module) -> None:
+        """Draft with `nar_decoder` on its backbone `nar_model` (same tokenizer as the verifier's),
+        decoding with `drafter_iterations` Mask-Predict iterations where set."""
+        if self.drafter_iterations is not None:
+            nar_decoder.iterations = int(self.drafter_iterations)
+        self.attached = (nar_decoder, nar_model)
+
+    # the attached drafter follows the decoder's device, dtype and train/eval mode
+    def _apply(self, fn, recurse=True):
+        for module in self.attached or ():
+            module._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True):
+        for module in self.attached or ():
+            module.train(mode)
+        return super().train(mode)
+
+    # ---- training: none; it decodes a sequential checkpoint ----------------------------------
+    def loss(self, model, input_ids, attention_mask, layout):
+        raise NotImplementedError("the aggressive decoder trains nothing: decode a sequential "
+                                  "checkpoint with it (tasks.test decoder=aggressive decoder.drafter=...)")
+
+    def trains_backbone(self) -> bool:
+        return False
+
+    # ---- drafting ----------------------------------------------------------------------------
+    @property
+    def draft_width(self) -> int:
+        return self.draft_tokens
+
+    def drafter_parts(self) -> tuple[MaskPredictDecoder, torch.nn.Module]:
+        if self.attached is None:
+            raise RuntimeError("the aggressive decoder has no drafter: attach one with attach_drafter "
+                               "(the tasks layer does, from decoder.drafter=NAR_CKPT)")
+        return self.attached
+
+    def begin_drafts(self, model, input_ids, attention_mask, encoder_states):
+        nar, nar_model = self.drafter_parts()
+        nar_states = encode(nar_model, input_ids, attention_mask)
+        tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, attention_mask)
+        padded = tokens.new_full((len(tokens), nar.max_length), self.special.pad)
+        padded[:, : tokens.size(1)] = tokens
+        zero = torch.zeros((), dtype=torch.long, device=tokens.device)
+        return Drafts(nar_states, cross_attention_mask(attention_mask, nar_states.dtype), padded,
+                      lengths, fed_offered=torch.zeros_like(lengths), offered=zero, accepted=zero,
+                      passes=max(passes))
+
+    def draft(self, model, state: Drafts, verified: Verified):
+        examples = verified.origin.view(-1)                           # (live,)
+        count, m = verified.count, self.draft_tokens
+        # the call just made verified the live rows' last drafts (drafts made after a row's last
+        # call are never fed, so they are counted here, when fed, not when made)
+        state.offered = state.offered + state.fed_offered[examples].sum()
+        state.accepted = state.accepted + verified.accepted.sum()
+        self.redraft(state, verified)
+        lengths = state.lengths[examples]                             # (live,)
+        # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
+        # verifier's own, sits at count - 1); indices past the draft are filler, never offered
+        columns = state.tokens.size(1)
+        indices = (count[:, None] + torch.arange(m, device=count.device)).clamp(max=columns - 1)
+        drafts = state.tokens[examples[:, None], indices]             # (live, m)
+        offered = (lengths - count).clamp(0, m)
+        state.fed_offered[examples] = offered
+        return drafts, offered
+
+    def redraft(self, state: Drafts, verified: Verified) -> None:
+        """Draft again, with the verified prefix given, every row that goes on and whose draft
+        disagrees with the verifier's own token or has run out (module docstring)."""
+        nar, nar_model = self.drafter_parts()
+        examples, count = verified.origin.view(-1), verified.count
+        lengths = state.lengths[examples]
+        columns = state.tokens.size(1)
+        last = (count - 1).clamp(max=columns - 1)                    # the verifier's own token's index
+        drafted_there = state.tokens[examples, last]
+        disagrees = (count - 1 < lengths) & (drafted_there != verified.next_token.view(-1))
+        ran_out = count >= lengths
+        produced = verified.produced[examples]                        # (live, columns of the loop)
+        in_prefix = torch.arange(produced.size(1), device=count.device) < count[:, None]
+        ended = ((produced == self.special.eos) & in_prefix).any(1)
+        goes_on = ~ended & (count < self.max_new_tokens) & (count < columns)
+        needed = goes_on & (disagrees | ran_out)
+        # the one read of the call's re-draft decision: which rows, and the shapes of their pass
+        needed_host, count_host, lengths_host = torch.stack([needed.long(), count, lengths]).tolist()
+        rows = [row for row, need in enumerate(needed_host) if need]
+        if not rows:
+            return
+        given = [count_host[row] for row in rows]
+        new_lengths = [lengths_host[row] if count_host[row] < lengths_host[row]
+                       else min(columns, count_host[row] + self.draft_tokens) for row in rows]
+        passes = max(mask_predict_passes(length - prefix, nar.iterations)
+                     for prefix, length in zip(given, new_lengths))
+        width = max(new_lengths)
+        device = count.device
+        rows_t = torch.tensor(rows, device=device)
+        redrafted = examples[rows_t]
+        given_t = count[rows_t]
+        lengths_t = torch.tensor(new_lengths, device=device)
+        positions = torch.arange(width, device=device)[None, :]
+        # the verified prefix lies within the loop's columns (a row that goes on has count < bound)
+        prefix_tokens = F.pad(produced[rows_t, :width], (0, max(0, width - produced.size(1))))
+        decoder_input = torch.where(positions < given_t[:, None], prefix_tokens,
+                                    torch.where(positions < lengths_t[:, None], self.special.mask,
+                                                self.special.pad))
+        tokens, _ = nar.mask_predict(nar_model, decoder_input, lengths_t, given_t, passes,
+                                     state.encoder_states[redrafted], state.encoder_mask[redrafted])
+        state.tokens[redrafted, :width] = tokens
+        state.lengths[redrafted] = lengths_t
+        state.redrafts += len(rows)
+        state.passes += passes
+
+    def draft_counters(self, state: Drafts) -> dict[str, torch.Tensor]:
+        device = state.offered.device
+        return {"draft_tokens_offered": state.offered, "draft_tokens_accepted": state.accepted,
+                "redrafts": torch.tensor(state.redrafts, device=device),
+                "drafter_passes": torch.tensor(state.passes, device=device)}

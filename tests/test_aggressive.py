@@ -1,0 +1,334 @@
+"""Aggressive decoding: with exact acceptance the tokens are the verifier's sequential greedy tokens,
+whatever the drafter drafts (a random Mask-Predict model, or a scripted drafter whose drafts are the
+verifier's greedy output corrupted, cut short or run past its end token), alone and in batches whose
+rows accept different numbers of tokens; the telemetry adds up; relaxed acceptance (top_k > 1) can
+leave greedy decoding where exact acceptance cannot; the given-prefix Mask-Predict keeps its prefix."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from decoders import build_decoder
+from decoders.backbone import output_logits
+from decoders.nar import MaskPredictDecoder, tokens_to_remask
+from tests.conftest import SPECIAL, VOCAB, random_batch, tiny_t5
+
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
+
+BOUND = 20
+JUNK = 7  # a filler token for scripted drafts past the verifier's output
+
+
+def sequential(model):
+    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=BOUND)
+
+
+def aggressive(model, drafter, drafter_model, **options):
+    decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, **options)
+    decoder.attach_drafter(drafter, drafter_model)
+    return decoder
+
+
+def greedy_outputs(model, input_ids, attention_mask) -> list[list[int]]:
+    """Every example's greedy tokens, end token included (the sequential decoder's, through
+    transformers' generate, which it equals)."""
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         num_beams=1, max_new_tokens=BOUND)[:, 1:].tolist()
+    return [row[: row.index(SPECIAL.eos) + 1] if SPECIAL.eos in row else row for row in out]
+
+
+def assert_same_output(out, ref):
+    assert out.subsequences == ref.subsequences
+    assert out.tokens == ref.tokens
+    assert out.hit_max_steps == ref.hit_max_steps
+
+
+def assert_consistent_telemetry(out, draft_tokens):
+    stats = out.stats
+    assert stats["accepted_tokens"] == sum(out.tokens)
+    assert stats["aggressive_calls"] == sum(out.decoder_calls)  # the verifier's calls
+    assert max(out.decoder_calls) == out.batch_decoder_calls
+    assert 0 <= stats["draft_tokens_accepted"] <= stats["draft_tokens_offered"]
+    # a call offers at most draft_tokens; the first call of a row offers none
+    assert stats["draft_tokens_offered"] <= draft_tokens * (sum(out.decoder_calls) - len(out.tokens))
+    # every call yields its accepted draft tokens and one of its own (the last call may stop at an
+    # accepted end token): at most one accepted draft token per example is not output
+    assert stats["draft_tokens_accepted"] <= sum(out.tokens) - sum(out.decoder_calls) + len(out.tokens)
+    assert stats["drafter_passes"] >= 1 and stats["redrafts"] >= 0
+    for tokens, calls in zip(out.tokens, out.decoder_calls):
+        assert 1 <= calls <= tokens
+
+
+# ---- a scripted drafter --------------------------------------------------------------------------
+
+class SourceEcho(nn.Module):
+    """A stand-in for the drafter's T5 whose encoder output is its input ids, so that a scripted
+    drafter can tell which example a row is from the encoder states it is given."""
+
+    def get_encoder(self):
+        return lambda input_ids, attention_mask: SimpleNamespace(
+            last_hidden_state=input_ids[..., None].to(torch.get_default_dtype()))
+
+
+def source_of(encoder_states: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(t) for t in encoder_states[:, 0].tolist() if t)
+
+
+class ScriptedDrafter(MaskPredictDecoder):
+    """A Mask-Predict drafter whose drafts are scripted per source: the first draft is `first`,
+    every re-draft fills the free positions from `later` (JUNK past its end). Counts its passes."""
+
+    def __init__(self, first: dict, later: dict, iterations: int = 3, max_length: int = BOUND + 4):
+        super().__init__(tiny_t5(0).config, SPECIAL, iterations=iterations, max_length=max_length)
+        self.first, self.later = first, later
+        self.redraft_prefixes = []  # (source, given tokens) of every re-drafted row
+
+    def predict_outputs(self, model, encoder_states, attention_mask):
+        drafts = [self.first[source_of(states)] for states in encoder_states]
+        width = max(len(draft) for draft in drafts)
+        tokens = torch.tensor([draft + [SPECIAL.pad] * (width - len(draft)) for draft in drafts])
+        lengths = torch.tensor([len(draft) for draft in drafts])
+        return tokens, lengths, [self.iterations] * len(drafts)
+
+    def mask_predict(self, model, decoder_input, lengths, given, passes, encoder_states, encoder_mask):
+        tokens = decoder_input.clone()
+        for row, states in enumerate(encoder_states):
+            source, prefix, length = source_of(states), int(given[row]), int(lengths[row])
+            self.redraft_prefixes.append((source, decoder_input[row, :prefix].tolist()))
+            script = self.later[source] + [JUNK] * length
+            tokens[row, prefix:length] = torch.tensor(script[prefix:length])
+        return tokens, torch.zeros(tokens.shape)
+
+
+def scripted_case(batch_size, seed, first_draft):
+    """A verifier, a batch, its greedy outputs and a scripted drafter whose first draft of example i
+    is `first_draft(i, greedy_i)` and whose re-drafts are the greedy outputs."""
+    model = tiny_t5(seed)
+    input_ids, attention_mask = random_batch(batch_size, seed=seed + 20)
+    greedy = greedy_outputs(model, input_ids, attention_mask)
+    sources = [tuple(row[:n]) for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
+    drafter = ScriptedDrafter({s: first_draft(i, g) for i, (s, g) in enumerate(zip(sources, greedy))},
+                              dict(zip(sources, greedy)))
+    return model, input_ids, attention_mask, greedy, drafter
+
+
+def corrupted(tokens, positions):
+    return [JUNK + 1 + t % 5 if i in positions else t for i, t in enumerate(tokens)]
+
+
+# ---- 1. exactness ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("draft_tokens", [1, 3, 8])
+def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens):
+    model, drafter_model = tiny_t5(0), tiny_t5(7)
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_length=BOUND).eval()
+    input_ids, attention_mask = random_batch(batch_size, seed=3)
+    out = aggressive(model, drafter, drafter_model, draft_tokens=draft_tokens).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_consistent_telemetry(out, draft_tokens)
+
+
+@pytest.mark.parametrize("draft_tokens", [2, 4])
+def test_perfect_drafts_are_all_accepted(draft_tokens):
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 1, lambda i, g: g)
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=draft_tokens).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_consistent_telemetry(out, draft_tokens)
+    assert out.stats["redrafts"] == 0 and out.stats["drafter_passes"] == drafter.iterations
+    assert out.stats["draft_tokens_accepted"] == out.stats["draft_tokens_offered"]
+    # the first call yields one token, every later one draft_tokens + 1 (the last one fewer)
+    assert out.decoder_calls == [1 + -(-(len(g) - 1) // (draft_tokens + 1)) for g in greedy]
+    assert len(set(out.decoder_calls)) > 1, "rows of different lengths"
+
+
+def test_missed_drafts_are_drafted_again_after_the_verified_prefix():
+    """Example i's first draft is wrong from token i on (none for the last): each row rejects at
+    its own index, re-drafts once with its verified prefix given, and the output stays greedy."""
+    batch = 8
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(
+        batch, 2, lambda i, g: corrupted(g, range(i, len(g))) if i < batch - 1 else g)
+    assert any(len(g) > 3 for g in greedy)
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=3).generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_consistent_telemetry(out, 3)
+    missed = [i for i in range(batch - 1) if i < len(greedy[i])]
+    assert out.stats["redrafts"] == len(missed)
+    for source, prefix in drafter.redraft_prefixes:  # the verified prefix is what is given
+        assert prefix == drafter.later[source][: len(prefix)]
+    assert sorted(len(prefix) for _, prefix in drafter.redraft_prefixes) == sorted(i + 1 for i in missed)
+    assert 0 < out.stats["draft_tokens_accepted"] < out.stats["draft_tokens_offered"]
+
+
+def test_drafts_past_the_end_token_and_drafts_cut_short():
+    """Even rows' drafts run 4 tokens past the end token (nothing past it is output); odd rows'
+    drafts stop 2 tokens early, so the verifier outgrows them and they are drafted again."""
+    def first_draft(i, g):
+        return g + [JUNK] * 4 if i % 2 == 0 else g[: max(1, len(g) - 2)]
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 4, first_draft)
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=4).generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_consistent_telemetry(out, 4)
+    cut_short = [i for i in range(1, 8, 2) if len(greedy[i]) > 1]
+    assert cut_short and out.stats["redrafts"] >= 1
+    redrafted = {source for source, _ in drafter.redraft_prefixes}
+    sources = list(drafter.later)
+    assert all(sources[i] not in redrafted for i in range(0, 8, 2))  # long drafts never run out
+
+
+def test_alone_equals_batched():
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(
+        6, 5, lambda i, g: corrupted(g, {i % 3 + 1}))
+    decoder = aggressive(model, drafter, SourceEcho(), draft_tokens=3)
+    batched = decoder.generate(model, input_ids, attention_mask)
+    for i in range(6):
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert (alone.subsequences[0], alone.tokens[0], alone.decoder_calls[0]) == \
+            (batched.subsequences[i], batched.tokens[i], batched.decoder_calls[i])
+
+
+# ---- 2. relaxed acceptance ------------------------------------------------------------------------
+
+def test_relaxed_acceptance_takes_a_runner_up_draft_token_exact_acceptance_does_not():
+    """Each draft puts the verifier's runner-up token at index 2 of its greedy output: top_k = 2
+    accepts it (leaving greedy decoding), top_k = 1 rejects it."""
+    model = tiny_t5(6)
+    input_ids, attention_mask = random_batch(8, seed=26)
+    greedy = greedy_outputs(model, input_ids, attention_mask)
+    with torch.no_grad():
+        decoder_input = model._shift_right(torch.tensor([g[:3] + [0] * (3 - len(g[:3])) for g in greedy]))
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask,
+                       decoder_input_ids=decoder_input, output_hidden_states=True).decoder_hidden_states[-1]
+        runner_up = output_logits(model, hidden)[:, 2].topk(2).indices[:, 1].tolist()
+    sources = [tuple(row[:n]) for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
+    long_enough = [i for i, g in enumerate(greedy) if len(g) > 3]
+    assert long_enough
+    first = {s: g[:2] + [runner_up[i]] + g[3:] if i in long_enough else g
+             for i, (s, g) in enumerate(zip(sources, greedy))}
+    drafter = ScriptedDrafter(first, dict(zip(sources, greedy)))
+    reference = sequential(model).generate(model, input_ids, attention_mask)
+    exact = aggressive(model, drafter, SourceEcho(), draft_tokens=4).generate(model, input_ids, attention_mask)
+    assert_same_output(exact, reference)
+    relaxed = aggressive(model, drafter, SourceEcho(), draft_tokens=4, top_k=2).generate(
+        model, input_ids, attention_mask)
+    assert_consistent_telemetry(relaxed, 4)
+    for i in long_enough:
+        assert relaxed.subsequences[i] != reference.subsequences[i] or \
+            relaxed.tokens[i] != reference.tokens[i]
+
+
+# ---- 3. the drafter's given-prefix Mask-Predict ------------------------------------------------------
+
+def test_given_positions_are_never_remasked():
+    confidence = torch.tensor([[0.1, 0.2, 0.9, 0.3, 0.8, 0.0]])
+    lengths, given = torch.tensor([5]), torch.tensor([2])
+    first = tokens_to_remask(confidence, lengths, 0, 3, given)
+    assert first.tolist() == [[False, False, True, True, True, False]]
+    later = tokens_to_remask(confidence, lengths, 1, 3, given)   # floor(3 * 2 / 3) = 2 of the 3 free
+    assert later.tolist() == [[False, False, False, True, True, False]]
+
+
+def test_mask_predict_keeps_the_given_prefix():
+    drafter_model = tiny_t5(3)
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_length=12).eval()
+    input_ids, attention_mask = random_batch(3, seed=8)
+    from decoders.backbone import cross_attention_mask, encode
+    with torch.no_grad():
+        states = encode(drafter_model, input_ids, attention_mask)
+        given, lengths = torch.tensor([0, 2, 5]), torch.tensor([6, 7, 6])
+        prefix = torch.randint(5, VOCAB, (3, 7))
+        positions = torch.arange(7)[None]
+        decoder_input = torch.where(positions < given[:, None], prefix,
+                                    torch.where(positions < lengths[:, None], SPECIAL.mask, SPECIAL.pad))
+        tokens, _ = drafter.mask_predict(drafter_model, decoder_input, lengths, given, 3, states,
+                                         cross_attention_mask(attention_mask, states.dtype))
+    for row in range(3):
+        assert tokens[row, : given[row]].tolist() == prefix[row, : given[row]].tolist()
+        assert SPECIAL.mask not in tokens[row, given[row]: lengths[row]].tolist()
+        assert (tokens[row, lengths[row]:] == SPECIAL.pad).all()
+
+
+def test_decoding_without_a_drafter_is_refused():
+    model = tiny_t5(0)
+    decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND)
+    with pytest.raises(RuntimeError, match="no drafter"):
+        decoder.generate(model, *random_batch(2))
+
+
+# ---- 4. the tasks layer: the drafter checkpoint -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory):
+    """Untrained sequential and nar checkpoints of the same configuration (one tokenizer), and a
+    nar checkpoint whose stored tokenizer is another."""
+    from tests.test_predict import saved
+    folder = tmp_path_factory.mktemp("aggressive")
+    sequential_ckpt = saved(folder / "sequential", "keyphrase", "sequential")
+    nar_ckpt = saved(folder / "nar", "keyphrase", "nar")
+    other = torch.load(nar_ckpt.path, weights_only=True)
+    other["tokenizer_json"] = other["tokenizer_json"].replace('"unk_token"', '"unk_token_other"', 1)
+    assert other["tokenizer_json"] != torch.load(nar_ckpt.path, weights_only=True)["tokenizer_json"]
+    other_path = folder / "other-tokenizer.ckpt"
+    torch.save(other, other_path)
+    return SimpleNamespace(sequential=sequential_ckpt, nar=nar_ckpt.path, other_tokenizer=str(other_path))
+
+
+def refused_by_test(argv, monkeypatch, capsys) -> str:
+    """stderr of tasks.test run as its command line: exit code 2, one message, nothing built."""
+    from tasks import run, test as test_entry
+    from tasks.runs import trainer
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before refusing"))
+    monkeypatch.setattr(test_entry, "build", lambda *a, **k: pytest.fail("built before refusing"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run.main_guard(lambda: test_entry.main(argv))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("drafter,message", [
+    (None, "decoder=aggressive needs a drafter: set decoder.drafter=NAR_CKPT"),
+    ("missing", "no such checkpoint file"),
+    ("sequential", "was trained with decoder 'sequential'; the aggressive decoder drafts with a nar checkpoint"),
+    ("other_tokenizer", "has another tokenizer than the checkpoint it drafts for"),
+])
+def test_a_bad_drafter_is_refused_before_any_work(drafter, message, saved_checkpoints, tmp_path,
+                                                  monkeypatch, capsys):
+    paths = {"missing": str(tmp_path / "nowhere.ckpt"), "sequential": saved_checkpoints.sequential.path,
+             "other_tokenizer": saved_checkpoints.other_tokenizer}
+    argv = ["--ckpt", saved_checkpoints.sequential.path, "decoder=aggressive"]
+    if drafter is not None:
+        argv.append(f"decoder.drafter={paths[drafter]}")
+    assert message in refused_by_test(argv, monkeypatch, capsys)
+
+
+def test_fit_refuses_the_aggressive_decoder_and_names_the_way(tmp_path, monkeypatch, capsys):
+    from tasks import fit
+    from tests.test_faults import fails_before_any_work
+    from tests.test_end_to_end import TINY, tracking
+    stderr = fails_before_any_work(fit, ["--decoder", "aggressive", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
+
+
+def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
+    from tasks.runs.checkpoints import load_checkpoint
+    from tasks.test import checkpoint_config, restore_module
+    path = saved_checkpoints.sequential.path
+    checkpoint = load_checkpoint(path)
+    cfg = checkpoint_config(checkpoint, path, ["decoder=aggressive", f"decoder.drafter={saved_checkpoints.nar}",
+                                               "decoder.draft_tokens=3"])
+    module = restore_module(checkpoint, path, cfg).eval()
+    nar_decoder, _ = module.decoder.attached
+    assert nar_decoder.name == "nar"
+    verifier = restore_module(checkpoint, path, checkpoint_config(checkpoint, path, [])).eval()
+    input_ids, attention_mask = random_batch(4, seed=2)
+    input_ids = input_ids % verifier.backbone.config.vocab_size
+    out = module.decoder.generate(module.backbone, input_ids, attention_mask)
+    ref = verifier.decoder.generate(verifier.backbone, input_ids, attention_mask)
+    assert out.subsequences == ref.subsequences and out.tokens == ref.tokens
