@@ -11,13 +11,11 @@ import json
 
 import pytest
 
-from tests.decode_reference import REFERENCE, case_id, decode_case
+from tests.decode_reference import PINNED_DECODERS, REFERENCE, case_id, decode_case
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]
 
 ENTRIES = json.loads(REFERENCE.read_text())["cases"]
-# Every decoder the reference pins: a file without one of them would check nothing of it.
-PINNED_DECODERS = ("blockwise", "nar", "onestep", "pipelined", "sequential")
 PER_EXAMPLE = ("subsequences", "decoder_calls", "tokens", "hit_max_steps")
 
 
