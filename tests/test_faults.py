@@ -274,6 +274,11 @@ DECODER_BAD_VALUES = [
     ("nar", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
     ("onestep", "decoder.max_length=0", "decoder.max_length must be an integer >= 1 (output "
                                         "positions of the one decoder call, end token included), got 0"),
+    ("lookup", "decoder.draft_tokens=0",
+     "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),
+    ("lookup", "decoder.match=0",
+     "decoder.match must be an integer >= 1 (output tokens looked up in the source), got 0"),
+    ("lookup", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
 ]
 BAD_VALUES = [
     ("seed=-1", "seed must be an integer >= 0 and <= 4294967295"),
