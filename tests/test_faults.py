@@ -387,6 +387,15 @@ def test_onestep_without_a_trained_backbone_fails_before_any_work(tmp_path, monk
     assert "train.init_from=" in stderr
 
 
+def test_a_lookup_fit_fails_before_any_work_naming_the_ways_to_use_it(tmp_path, monkeypatch, capsys):
+    """lookup trains nothing: a fit would train a sequential model under its name."""
+    stderr = fails_before_any_work(fit, ["--decoder", "lookup", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "decoder lookup trains nothing: it decodes a trained sequential model as it is" in stderr
+    assert "python -m tasks.test --ckpt SEQUENTIAL_CHECKPOINT decoder=lookup" in stderr
+    assert "python -m tasks.compare --decoders sequential,lookup" in stderr
+
+
 def test_a_frozen_blockwise_backbone_without_a_trained_one_fails_before_any_work(tmp_path, monkeypatch,
                                                                                  capsys):
     """Blockwise heads on a frozen random backbone would learn to guess noise."""
