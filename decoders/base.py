@@ -65,6 +65,10 @@ class Decoder(nn.Module, abc.ABC):
     builds_on_sequential: ClassVar[bool] = False
     # Whether it can train only that way: it never trains a backbone of its own (onestep).
     needs_trained_backbone: ClassVar[bool] = False
+    # Whether it has nothing to train: no modules of its own, the layout and loss of the sequential
+    # decoder, whose trained model it decodes as it is (lookup). tasks.fit refuses it; tasks.compare
+    # gives its row the sequential row's model.
+    trains_nothing: ClassVar[bool] = False
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""

@@ -148,6 +148,7 @@ class Verified:
     next_token: torch.Tensor  # (live, 1) the model's own token after the accepted ones, fed first next
     count: torch.Tensor       # (live,) tokens produced, next_token included (its output index + 1)
     accepted: torch.Tensor    # (live,) draft tokens of this call accepted
+    offered: torch.Tensor | None  # (live,) of them offered; None: all m, or no draft fed (the first call)
     origin: torch.Tensor      # (live, 1) each row's example
     produced: torch.Tensor    # (batch, columns) every example's tokens so far, by output index
 
@@ -247,7 +248,8 @@ class DraftAndVerifyDecoder(Decoder):
             first_end = torch.where(tokens == end, offsets, no_end).amin(dim=1)     # (live,)
             next_token = greedy.gather(1, accepted[:, None])         # (live, 1)
             count = count + accepted + 1                             # right for every row that goes on
-            verified = Verified(hidden[row_index, accepted], next_token, count, accepted, origin, produced)
+            verified = Verified(hidden[row_index, accepted], next_token, count, accepted, offered, origin,
+                                produced)
             drafts, offered = self.draft(model, drafts_state, verified)
 
             # the one host sync of the call

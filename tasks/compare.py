@@ -23,6 +23,9 @@ millisecond), over its level before the decode. The device and the flushing are 
 results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
 speedup against its value).
 
+A decoder that trains nothing (lookup: `Decoder.trains_nothing`) decodes the sequential row's tested
+model as it is; without a sequential row or a --ckpt checkpoint for it, the comparison is refused.
+
 In MLflow the comparison is one run, created before any row is fitted, with every row's run nested
 under it (`mlflow.parentRunId`), all tagged with one comparison id. It holds the table, its JSON and
 the plots as artifacts, the conditions of the timing as parameters, and per row (`<label>/...`) the
@@ -42,7 +45,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from datamodules.tokenizer import special_tokens
-from decoders import build_decoder
+from decoders import build_decoder, decoder_class
 from tasks.comparison.measure import measure_speed
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential,
                                    parse_checkpoints, parse_decoders, parse_sweeps, plan,
@@ -101,7 +104,9 @@ def plan_rows(args: argparse.Namespace) -> tuple[PlannedRows, list[bool], dict[s
 
 def print_plan(planned: PlannedRows, starts: list[bool]) -> None:
     for (cfg, _), start in zip(planned, starts):
-        if start:
+        if start and decoder_class(cfg.decoder.name).trains_nothing:
+            print("# decodes the sequential row's model, once trained or loaded")
+        elif start:
             print("# train.init_from: the sequential row's checkpoint, once trained or loaded")
         print(OmegaConf.to_yaml(cfg))
 
@@ -138,7 +143,7 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
     only in decode-time options), then tested as its own MLflow run with `tags`, in the plan's
     order; `callbacks` join every trainer's."""
     trained: dict[str, tuple[Built, str]] = {}  # training key -> the model and its checkpoint
-    sequential_checkpoint = None
+    sequential_model = sequential_checkpoint = None
     rows: list[Row | None] = [None] * len(planned)
     # the rows that start from the sequential row's checkpoint after it; the table keeps the plan's order
     for index in sorted(range(len(planned)), key=lambda i: starts[i]):
@@ -155,6 +160,8 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
             trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
             row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
                             callbacks)
+        elif decoder_class(name).trains_nothing:  # the sequential row's model, as it is
+            row = score_row(cfg, with_decoder(cfg, sequential_model), row_tags, callbacks)
         else:
             log.info("training %s (%s)", name, training)
             result = train_and_test(cfg, tags=row_tags, callbacks=callbacks)
@@ -162,7 +169,7 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
             row.fit_seconds = result.fit_seconds
         if name == "sequential" and sequential_checkpoint is None:
-            sequential_checkpoint = trained[key][1]
+            sequential_model, sequential_checkpoint = trained[key]
         row.swept = swept
         row.training = training
         row.quality = dict(row.module.quality_scores)

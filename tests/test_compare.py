@@ -15,7 +15,7 @@ from tasks.comparison import report
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.config import ConfigError, compose
 from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
-from tasks.runs.trainer import build
+from tasks.runs.trainer import Trained, build, score_into_run
 from tests.conftest import save_checkpoint
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 from tests.test_faults import fails_before_any_work
@@ -260,6 +260,62 @@ def test_onestep_without_a_backbone_is_refused_before_any_work(tmp_path, monkeyp
                                              *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
     assert "decoder onestep trains on a trained sequential model's backbone" in stderr
     assert "add sequential to --decoders" in stderr and "train.init_from=" in stderr
+
+
+def test_lookup_decodes_the_sequential_rows_model_whatever_the_flags():
+    """lookup trains nothing: its row decodes the sequential row's model, whatever --backbone or a
+    train.init_from (which the sequential row trains from) say; a --ckpt checkpoint is its model."""
+    for backbone in BACKBONES:
+        assert backbone_plan(["sequential", "lookup"], backbone=backbone)[1:] == (
+            [False, True], ["own", "none: sequential model"])
+    assert backbone_plan(["sequential", "lookup"], ["train.init_from=s.ckpt"])[1:] == (
+        [False, True], ["train.init_from backbone, fine-tuned", "none: sequential model"])
+    assert backbone_plan(["sequential", "lookup"], checkpoints={"lookup": "s.ckpt"})[1:] == (
+        [False, False], ["own", "checkpoint"])
+
+
+def test_lookup_without_a_sequential_model_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, ["--decoders", "lookup,pipelined", *TINY,
+                                             *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert "decoder lookup trains nothing" in stderr
+    assert "add sequential to --decoders" in stderr and "--ckpt lookup=PATH" in stderr
+
+
+def test_a_sequential_checkpoint_is_a_lookup_rows_model(tmp_path):
+    path = stored_config(tmp_path / "s.ckpt", "keyphrase", "sequential", TINY)
+    checkpoint = torch.load(path, weights_only=False)
+    for cfg, _ in plan("keyphrase", ["lookup"], None, TINY, {"decoder.draft_tokens": ["4", "8"]}):
+        check_checkpoint(checkpoint, path, cfg)  # another decoder of the same layout: no error
+
+
+def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_path, monkeypatch):
+    """The sequential row's model (here tested untrained, as a trained one would be), decoded by
+    lookup: no fit of its own, no trained weights, and sequential's predictions exactly."""
+    fitted = []
+
+    def tested_untrained(cfg, tags=None, callbacks=()):
+        fitted.append(cfg.decoder.name)
+        built = build(cfg)
+        logger = open_tracking(cfg, "untrained", tags=tags)
+        score_into_run(logger, cfg, built, callbacks)
+        return Trained(built, logger, "sequential.ckpt", built.module.test_scores, fit_seconds=1.0)
+
+    monkeypatch.setattr(compare, "train_and_test", tested_untrained)
+    result = compare.main(["--decoders", "sequential,lookup", "--out", str(tmp_path / "cmp.json"),
+                           "--repeats", "1", "--speed-examples", "2", *TINY, *tracking(tmp_path)])
+    assert fitted == ["sequential"]
+    sequential, lookup = result["rows"]
+    assert lookup["training"] == "none: sequential model"
+    assert "| none: sequential model |" in (tmp_path / "cmp.md").read_text()
+    assert lookup["fit_seconds"] is None and lookup["trained_parameters"] == 0
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(lookup["mlflow_run_id"])
+    assert run.data.params["train.init_from"] == "sequential.ckpt"  # what it decoded
+    predicted = [[r["prediction"] for r in run_artifact_rows(client, row["mlflow_run_id"],
+                                                             tmp_path / row["decoder"])]
+                 for row in (sequential, lookup)]
+    assert predicted[0] == predicted[1] and sequential["quality"] == lookup["quality"]
 
 
 def test_a_jointly_trained_blockwise_checkpoint_is_checked_against_the_frozen_default(

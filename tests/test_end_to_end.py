@@ -11,6 +11,8 @@ from datamodules.datamodule import SubsequenceDataModule
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
 from tasks.runs.tracking import records_digest
+from tasks.runs.trainer import build
+from tests.conftest import save_checkpoint
 
 TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
         "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
@@ -74,6 +76,22 @@ def test_fit_tracks_run_and_test_rescoring(task, tmp_path):
     with pytest.raises(ConfigError, match="trained with decoder 'sequential'; decoder 'pipelined' "
                                           "cannot decode it"):
         test_entry.main(["--ckpt", result["checkpoint"], "decoder=pipelined", *tracking(tmp_path)])
+
+
+def test_lookup_decodes_a_sequential_checkpoint_as_sequential_does(tmp_path):
+    """`tasks.test --ckpt S decoder=lookup`: a sequential checkpoint (here an untrained model saved
+    as tasks.fit saves one) decoded with lookup's options predicts what sequential predicts."""
+    built = build(compose("keyphrase", "sequential", None, [*TINY, *tracking(tmp_path)]))
+    path = save_checkpoint(built.module, tmp_path / "sequential.ckpt")
+    sequential = test_entry.main(["--ckpt", path, *tracking(tmp_path)])
+    lookup = test_entry.main(["--ckpt", path, "decoder=lookup", "decoder.draft_tokens=4",
+                              "decoder.match=2", *tracking(tmp_path)])
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    params = client.get_run(lookup["run_id"]).data.params
+    assert [params[f"decoder.{key}"] for key in ("name", "draft_tokens", "match")] == ["lookup", "4", "2"]
+    predicted = [[r["prediction"] for r in run_artifact_rows(client, run["run_id"], tmp_path / name)]
+                 for name, run in (("sequential", sequential), ("lookup", lookup))]
+    assert predicted[0] == predicted[1]
 
 
 @pytest.mark.slow

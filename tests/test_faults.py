@@ -280,6 +280,11 @@ DECODER_BAD_VALUES = [
     ("nar", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
     ("onestep", "decoder.max_length=0", "decoder.max_length must be an integer >= 1 (output "
                                         "positions of the one decoder call, end token included), got 0"),
+    ("lookup", "decoder.draft_tokens=0",
+     "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),
+    ("lookup", "decoder.match=0",
+     "decoder.match must be an integer >= 1 (output tokens looked up in the source), got 0"),
+    ("lookup", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
 ]
 BAD_VALUES = [
     ("seed=-1", "seed must be an integer >= 0 and <= 4294967295"),
@@ -386,6 +391,15 @@ def test_onestep_without_a_trained_backbone_fails_before_any_work(tmp_path, monk
                                    tmp_path, monkeypatch, capsys)
     assert "decoder onestep trains only on a trained sequential model's backbone" in stderr
     assert "train.init_from=" in stderr
+
+
+def test_a_lookup_fit_fails_before_any_work_naming_the_ways_to_use_it(tmp_path, monkeypatch, capsys):
+    """lookup trains nothing: a fit would train a sequential model under its name."""
+    stderr = fails_before_any_work(fit, ["--decoder", "lookup", *TINY, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert "decoder lookup trains nothing: it decodes a trained sequential model as it is" in stderr
+    assert "python -m tasks.test --ckpt SEQUENTIAL_CHECKPOINT decoder=lookup" in stderr
+    assert "python -m tasks.compare --decoders sequential,lookup" in stderr
 
 
 def test_a_frozen_blockwise_backbone_without_a_trained_one_fails_before_any_work(tmp_path, monkeypatch,

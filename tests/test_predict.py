@@ -226,10 +226,10 @@ def test_the_trained_decoder_by_default_another_of_its_layout_on_request(
     assert restored[-1].decoder.max_new_tokens == 5  # a decoder option, as in tasks.test
 
     assert ("was trained with decoder 'blockwise'; decoder 'pipelined' cannot decode it (use "
-            "decoder=blockwise, or another decoder of its layout: aggressive, sequential)"
+            "decoder=blockwise, or another decoder of its layout: aggressive, lookup, sequential)"
             in refused(["--ckpt", model.path, "--input", source, "decoder=pipelined"],
                        monkeypatch, capsys))
-    assert ("unknown decoder 'nope'; allowed: aggressive, blockwise, nar, onestep, pipelined, sequential"
+    assert ("unknown decoder 'nope'; allowed: aggressive, blockwise, lookup, nar, onestep, pipelined, sequential"
             in refused(["--ckpt", model.path, "--input", source, "decoder=nope"], monkeypatch,
                        capsys))
 

@@ -43,5 +43,5 @@ def test_print_config_prints_each_decoder_and_does_nothing_else(tmp_path, capsys
 
 
 def test_unknown_decoder_is_a_clear_error():
-    with pytest.raises(ConfigError, match="unknown decoder 'beam'; available: aggressive, blockwise, nar, onestep, pipelined"):
+    with pytest.raises(ConfigError, match="unknown decoder 'beam'; available: aggressive, blockwise, lookup, nar, onestep, pipelined"):
         reference_calls.main(["--decoders", "sequential,beam"])

@@ -144,11 +144,15 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
     that can train a backbone (blockwise: base head jointly with the heads) from scratch instead.
     A setting of `train.init_from` or `decoder.freeze_backbone` the user made (`user_set(key)`)
     wins. A decoder that `needs_trained_backbone`, or is set to freeze its backbone, and gets none
-    is refused here, before any work."""
+    is refused here, before any work. A decoder that trains nothing decodes the sequential row's
+    model (`decodes_sequential_row`)."""
     has_sequential = any(cfg.decoder.name == "sequential" for cfg, _ in planned)
     starts = []
     for cfg, _ in planned:
         kind = decoder_class(cfg.decoder.name)
+        if kind.trains_nothing:
+            starts.append(decodes_sequential_row(cfg, has_sequential, cfg.decoder.name in checkpoints))
+            continue
         builds = has_sequential and not user_set("train.init_from") and (
             kind.needs_trained_backbone or (kind.builds_on_sequential and backbone == "from-sequential"))
         if builds and "freeze_backbone" in cfg.decoder and not user_set("decoder.freeze_backbone"):
@@ -164,14 +168,30 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
     return starts
 
 
+def decodes_sequential_row(cfg: DictConfig, has_sequential: bool, loaded: bool) -> bool:
+    """Whether the row of a decoder that trains nothing (`Decoder.trains_nothing`) decodes the
+    model of the comparison's sequential row: it does, unless a --ckpt checkpoint is its model. With
+    neither, the row has no model to decode: refused here, before any work."""
+    name = cfg.decoder.name
+    if not (has_sequential or loaded):
+        raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model, and "
+                          f"this comparison gives it none: add sequential to --decoders (it then "
+                          f"decodes that row's model), or give it a sequential checkpoint with "
+                          f"--ckpt {name}=PATH")
+    return not loaded
+
+
 def training_label(cfg: DictConfig, from_sequential: bool, loaded: bool) -> str:
     """How a row's model was trained, for the table: `checkpoint` (--ckpt), `own` (from scratch),
     `joint` (from scratch, by a decoder that could have built on a sequential model instead:
-    blockwise's base head trained with its heads), else where its backbone came from and whether it
+    blockwise's base head trained with its heads), `none: sequential model` (a decoder that trains
+    nothing, on the sequential row's model), else where its backbone came from and whether it
     stayed frozen."""
     if loaded:
         return "checkpoint"
     kind = decoder_class(cfg.decoder.name)
+    if kind.trains_nothing:
+        return "none: sequential model"
     if not from_sequential and cfg.train.init_from is None:
         return "joint" if kind.builds_on_sequential else "own"
     source = "sequential backbone" if from_sequential else "train.init_from backbone"

@@ -124,6 +124,17 @@ def needs_trained_backbone(cfg: DictConfig) -> str | None:
     return f"decoder {cfg.decoder.name}" + (" with decoder.freeze_backbone=true" if frozen else "")
 
 
+def check_something_to_train(cfg: DictConfig) -> None:
+    """Refuse (ConfigError) to fit a decoder that trains nothing (`Decoder.trains_nothing`): a fit of
+    it would train a sequential model under its name. The message names the ways to use it."""
+    name = cfg.decoder.name
+    if decoder_class(name).trains_nothing:
+        raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model as it "
+                          f"is. Decode a sequential checkpoint with it (python -m tasks.test --ckpt "
+                          f"SEQUENTIAL_CHECKPOINT decoder={name}), or compare it with the model of a "
+                          f"sequential row (python -m tasks.compare --decoders sequential,{name})")
+
+
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
                    callbacks=()) -> Trained:
     """Fit with validation each epoch, keep the best checkpoint by the task's primary metric, decode
@@ -132,6 +143,7 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     With `resume`, training goes on from that run's last checkpoint and logs into the same run;
     otherwise `train.init_from`, if set, gives the starting backbone weights and tokenizer.
     A crash marks the run FAILED (Ctrl-C: KILLED) with the error as a tag; checkpoints stay."""
+    check_something_to_train(cfg)
     needs = needs_trained_backbone(cfg)
     if resume is None and cfg.train.init_from is None and needs:
         # it would train on a random frozen backbone: a result with no meaning, hours later

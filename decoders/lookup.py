@@ -1,0 +1,136 @@
+"""Lookup decoding: drafts copied from the source, verified by the model in one call.
+
+Reference: Ge, Xia, Sun, Chen & Wei 2022, "Lossless Acceleration for Seq2seq Generation with
+Aggressive Decoding" (arXiv:2205.10350), Input-guided Aggressive Decoding (IAD): where an output
+copies much of its input, spans of the input are good guesses of what comes next, and checking them
+against the model's own greedy tokens in one parallel pass keeps the output exactly greedy.
+transformers offers the n-gram form of it as prompt lookup (`prompt_lookup_num_tokens`).
+
+Model. Any model the sequential decoder decodes: the sequential layout and layout family. It adds no
+    module and trains nothing (`trains_nothing`): it decodes a trained sequential model as it is.
+Draft. After each call, a row looks up its last `match` output tokens (the model's newest token
+    included) in its own source, real tokens only. Its draft is the up to `draft_tokens` source
+    tokens that follow their latest occurrence among those followed by at least one source token,
+    cut at the source's last real token. No such occurrence, or fewer than `match` tokens produced:
+    no draft, and the call yields one token, as sequential decoding does. (IAD drafts the whole rest
+    of the input and re-aligns after a mismatch; here the draft is bounded and re-aligned at every
+    call, as prompt lookup does.)
+Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draft_tokens`, the
+    tokens past a row's offered ones are never accepted), keep the longest prefix of the draft on
+    which the model's argmax agrees, then the model's own next token: 1 .. offered + 1 tokens per
+    call, and the output is exactly greedy decoding of the model. Batching, the cache and host
+    syncs: drafts.py; the lookup itself is tensor code over the whole batch, with no host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoders import register
+from datamodules.vocabulary import Range, SpecialTokens
+from decoders.drafts import DraftAndVerifyDecoder, Verified
+from decoders.loop import NOT_PRODUCED
+from decoders.sequential import SequentialDecoder
+
+# the `stats` keys of `draft_counters`, in the order of `SourceLookup.counts`
+COUNTER_NAMES = (
+    "draft_tokens_offered",      # draft tokens fed to the model (a row's filler past them excluded)
+    "draft_tokens_accepted",     # of those, accepted by the model (past an end token or bound too)
+    "calls_with_draft",          # decoder calls of an example that offered at least one draft token
+    "drafts_cut_at_separator",   # drafts not wholly accepted where the model wrote the separator
+)
+
+
+@dataclass
+class SourceLookup:
+    """Every example's source laid out for the lookup, made once per decode. Window j of a row is
+    its source tokens j .. j + match - 1, its continuation the m tokens after them."""
+
+    windows: torch.Tensor        # (B, S, match) tokens of each window; NOT_PRODUCED in every window
+                                 # that is not wholly real or is followed by no real token
+    continuations: torch.Tensor  # (B, S + 1, m) the tokens after each window (padding past the source)
+    offered: torch.Tensor        # (B, S + 1) how many of those are real source tokens (0..m); entry S,
+                                 # past the source, offers none: what a row without a hit reads
+    window_index: torch.Tensor   # (S,) 0..S-1
+    last_offsets: torch.Tensor   # (match,) -match..-1: output indices of the last tokens, from a count
+    counts: torch.Tensor         # (4,) the counters named by COUNTER_NAMES
+
+
+@register("lookup")
+class LookupDecoder(DraftAndVerifyDecoder):
+    layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
+    decode_options = ("draft_tokens", "match", "max_new_tokens")
+    trains_nothing = True
+    calls_stat = "lookup_calls"
+    option_ranges = {"draft_tokens": Range(ge=1, note="source tokens offered per call"),
+                     "match": Range(ge=1, note="output tokens looked up in the source"),
+                     "max_new_tokens": Range(ge=1)}
+
+    # The sequential layout and loss, shared rather than copied: those of the model it decodes
+    # (tasks never fit this decoder, `trains_nothing`; a test may train a model with them).
+    layout = SequentialDecoder.layout
+    loss = SequentialDecoder.loss
+
+    def __init__(self, backbone_config, special: SpecialTokens, draft_tokens: int = 4, match: int = 1,
+                 max_new_tokens: int = 128):
+        super().__init__(backbone_config, special, draft_tokens=draft_tokens, match=match,
+                         max_new_tokens=max_new_tokens)
+        self.draft_tokens = int(draft_tokens)
+        self.match = int(match)
+        self.max_new_tokens = int(max_new_tokens)
+
+    def trains_backbone(self) -> bool:
+        return False  # nothing of its own to train, and the backbone is the sequential model's
+
+    # ---- generation: draft and verify, the source drafts ----------------------------------------
+    @property
+    def draft_width(self) -> int:
+        return self.draft_tokens
+
+    def begin_drafts(self, model, input_ids, attention_mask, encoder_states) -> SourceLookup:
+        m, n = self.draft_tokens, self.match
+        sources = input_ids.size(1)                                          # S
+        # past the source, n + m padding slots (never real): every window has m tokens after it,
+        # and one more continuation, S, offers none
+        tail = (input_ids.size(0), n + m)
+        padded = torch.cat([input_ids, input_ids.new_full(tail, self.special.pad)], dim=1)  # (B, S + n + m)
+        real = torch.cat([attention_mask.bool(), attention_mask.new_zeros(tail, dtype=torch.bool)],
+                         dim=1)                                              # (B, S + n + m)
+        continuations = padded[:, n:].unfold(1, m, 1)                        # (B, S + 1, m)
+        # the leading real tokens of each continuation: what a draft from there may offer
+        offered = real[:, n:].unfold(1, m, 1).long().cummin(dim=2).values.sum(dim=2)   # (B, S + 1)
+        windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
+        usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
+        # an unusable window never equals produced tokens (all >= 0)
+        windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
+        device = input_ids.device
+        return SourceLookup(windows, continuations, offered, torch.arange(sources, device=device),
+                            torch.arange(-n, 0, device=device),
+                            torch.zeros(len(COUNTER_NAMES), dtype=torch.long, device=device))
+
+    def draft(self, model, state: SourceLookup, verified: Verified):
+        self.count_verified(state, verified)
+        example = verified.origin.view(-1)                                   # (live,)
+        # each row's last `match` output tokens, the model's newest one last
+        last_indices = (verified.count.view(-1, 1) + state.last_offsets).clamp(min=0)  # (live, match)
+        last = verified.produced[verified.origin, last_indices]              # (live, match)
+        hits = (state.windows[example] == last[:, None]).all(dim=2)          # (live, S)
+        if self.match > 1:  # a row that has produced fewer tokens has none to look up yet
+            hits &= (verified.count >= self.match)[:, None]
+        # the latest hit; none (-1) reads the last entry, past the source, which offers nothing
+        latest = torch.where(hits, state.window_index, -1).amax(dim=1)       # (live,)
+        return state.continuations[example, latest], state.offered[example, latest]  # (live, m), (live,)
+
+    def count_verified(self, state: SourceLookup, verified: Verified) -> None:
+        """Add the call's verified drafts to the counters (nothing at the first call, which fed
+        none)."""
+        fed = verified.offered                                               # (live,) or None
+        if fed is None:
+            return
+        # the model's own token sits at the first rejected place of a draft not wholly accepted
+        cut_at_separator = (verified.accepted < fed) & (verified.next_token.view(-1) == self.special.sep)
+        state.counts += torch.stack([fed, verified.accepted, fed > 0, cut_at_separator]).sum(dim=1)
+
+    def draft_counters(self, state: SourceLookup) -> dict[str, torch.Tensor]:
+        return dict(zip(COUNTER_NAMES, state.counts))

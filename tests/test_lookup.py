@@ -1,0 +1,340 @@
+"""Lookup decoding: its tokens are sequential greedy decoding's, token for token (alone and in
+batches whose rows accept different numbers of draft tokens), and its decoder calls are exactly
+those the lookup rule gives, counted here in plain Python from the greedy output and the source
+(`lookup_replay`); on models built so that the source holds the answer, calls by hand; its
+counters, options, host syncs and what it decodes."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from decoders import build_decoder, decoder_class
+from decoders.base import Decoder
+from tasks.bench.sync_points import counting_sync_points
+from tasks.config import compose
+from tests.conftest import SPECIAL, VOCAB, first_batch_where, random_batch, tiny_t5
+from tests.test_blockwise import CHAIN, rigged_model
+
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
+
+EOS, SEP = SPECIAL.eos, SPECIAL.sep
+
+
+def lookup(model, **options):
+    return build_decoder("lookup", model.config, SPECIAL, **options)
+
+
+def sequential(model, max_new_tokens):
+    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=max_new_tokens)
+
+
+def assert_same_output(out, ref):
+    assert out.subsequences == ref.subsequences
+    assert out.tokens == ref.tokens
+    assert out.hit_max_steps == ref.hit_max_steps
+
+
+def greedy_outputs(model, input_ids, attention_mask, bound) -> list[list[int]]:
+    """Each row's greedy tokens, up to its end token or the bound (transformers' generate)."""
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         num_beams=1, max_new_tokens=bound)[:, 1:].tolist()
+    return [row[: row.index(EOS) + 1] if EOS in row else row for row in out]
+
+
+def sources(input_ids, attention_mask) -> list[list[int]]:
+    return [row[:n] for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
+
+
+@dataclass
+class Replay:
+    """What lookup decoding of one row does, replayed from its greedy output."""
+
+    calls: int = 1          # the first call feeds the start token and drafts nothing
+    offered: int = 0
+    accepted: int = 0       # draft tokens accepted up to the output's end
+    with_draft: int = 0
+    cut_at_separator: int = 0
+    past_end: bool = False  # a draft ran past the output's end: the model decides more acceptance
+
+
+def draft_of(source: list[int], produced: list[int], draft_tokens: int, match: int) -> list[int]:
+    """The lookup rule, plainly: the source tokens after the latest occurrence of the last `match`
+    produced tokens that is followed by at least one source token."""
+    if len(produced) < match:
+        return []
+    last = produced[-match:]
+    for start in reversed(range(len(source) - match)):
+        if source[start:start + match] == last:
+            return source[start + match: start + match + draft_tokens]
+    return []
+
+
+def lookup_replay(source: list[int], output: list[int], draft_tokens: int, match: int) -> Replay:
+    """The calls and counters of lookup decoding a row whose greedy output is `output` (up to its
+    end token or bound): a draft token is accepted exactly where it is the greedy token."""
+    replay, produced = Replay(), 1
+    while produced < len(output):
+        draft = draft_of(source, output[:produced], draft_tokens, match)
+        accepted = 0
+        while (accepted < len(draft) and produced + accepted < len(output)
+               and draft[accepted] == output[produced + accepted]):
+            accepted += 1
+        replay.calls += 1
+        replay.offered += len(draft)
+        replay.with_draft += bool(draft)
+        replay.accepted += accepted
+        rejected_at = produced + accepted    # where the model's own token goes
+        if accepted < len(draft):
+            if rejected_at < len(output):
+                replay.cut_at_separator += output[rejected_at] == SEP
+            else:
+                replay.past_end = True
+        produced = rejected_at + 1
+    return replay
+
+
+def assert_replayed(out, replays: list[Replay]):
+    """Per row the calls of the replay, and the counters summed over the batch."""
+    assert out.decoder_calls == [r.calls for r in replays]
+    assert out.stats["lookup_calls"] == sum(out.decoder_calls)
+    assert out.stats["draft_tokens_offered"] == sum(r.offered for r in replays)
+    assert out.stats["calls_with_draft"] == sum(r.with_draft for r in replays)
+    if not any(r.past_end for r in replays):
+        assert out.stats["draft_tokens_accepted"] == sum(r.accepted for r in replays)
+        assert out.stats["drafts_cut_at_separator"] == sum(r.cut_at_separator for r in replays)
+
+
+def assert_consistent_counters(out, no_cut: bool):
+    """accepted <= offered; each call yields its accepted draft tokens and one of its own, less what
+    an end token or the bound cut (`no_cut`: nothing was)."""
+    stats = out.stats
+    assert stats["accepted_tokens"] == sum(out.tokens)
+    assert stats["draft_tokens_accepted"] <= stats["draft_tokens_offered"]
+    assert stats["drafts_cut_at_separator"] <= stats["calls_with_draft"] <= stats["lookup_calls"]
+    assert sum(out.tokens) <= stats["lookup_calls"] + stats["draft_tokens_accepted"]
+    if no_cut:
+        assert sum(out.tokens) == stats["lookup_calls"] + stats["draft_tokens_accepted"]
+    assert max(out.decoder_calls) == out.batch_decoder_calls
+    for tokens, calls in zip(out.tokens, out.decoder_calls):
+        assert 1 <= calls <= tokens
+
+
+# ---- 1. exactness against the sequential decoder, calls against the lookup rule ----------------
+
+@pytest.mark.parametrize("seed,draft_tokens,match", [(0, 8, 1), (1, 4, 1), (2, 3, 1), (3, 1, 1)])
+def test_matches_sequential_on_random_models(seed, draft_tokens, match):
+    """Random models: drafts are offered (the source's tokens recur in the output) and mostly
+    rejected. Batch of 8 and each row alone."""
+    model, bound = tiny_t5(seed), 15
+    decoder = lookup(model, draft_tokens=draft_tokens, match=match, max_new_tokens=bound)
+
+    def offers_drafts(input_ids, attention_mask):
+        """drafts offered, and outputs of several lengths (rows leave the batch at different calls)"""
+        out = decoder.generate(model, input_ids, attention_mask)
+        return out.stats["calls_with_draft"] > 0 and len(set(out.tokens)) >= 3
+    input_ids, attention_mask = first_batch_where(offers_drafts, 8, seed=seed + 10)
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, bound).generate(model, input_ids, attention_mask))
+    outputs = greedy_outputs(model, input_ids, attention_mask, bound)
+    assert_replayed(out, [lookup_replay(s, y, draft_tokens, match)
+                          for s, y in zip(sources(input_ids, attention_mask), outputs)])
+    assert_consistent_counters(out, no_cut=not any(out.hit_max_steps))
+    for i in range(8):  # alone, unpadded
+        n = int(attention_mask[i].sum())
+        alone = input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n]
+        reference = sequential(model, bound).generate(model, *alone)
+        assert_same_output(decoder.generate(model, *alone), reference)
+
+
+def source_blind(seed: int):
+    """A random T5 whose decoder ignores the source (cross-attention outputs zeroed) but not its
+    own context: its greedy output is one sequence whatever the source, so sources can be built
+    to hold it, in part or whole, while the cached self-attention still matters."""
+    model = tiny_t5(seed)
+    with torch.no_grad():
+        for block in model.decoder.block:
+            block.layer[1].EncDecAttention.o.weight.zero_()
+    return model
+
+
+def padded(rows: list[list[int]]):
+    """Right-padded input_ids and attention_mask of source rows of different lengths."""
+    input_ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+    return input_ids, (torch.arange(input_ids.size(1)) < torch.tensor([[len(r)] for r in rows])).long()
+
+
+def sources_holding(output: list[int]) -> list[list[int]]:
+    """8 sources, each holding a different part of `output` (its end token left out, so that
+    no draft runs past the end): whole, whole after noise, halves, every other token, with a wrong
+    token at every third place, reversed, none of it."""
+    body = [t for t in output if t != EOS]
+    noise = [t for t in range(5, VOCAB) if t not in output]
+    half = len(body) // 2
+    return [body, noise[:3] + body, body[:half], body[half:], body[::2],
+            [noise[i % len(noise)] if i % 3 == 2 else t for i, t in enumerate(body)],
+            body[::-1], noise[:7]]
+
+
+@pytest.fixture(scope="module")
+def blind():
+    """A source-blind model whose greedy output is long and has 5 or more distinct tokens (so that
+    the built sources offer drafts that are accepted, partly, or not at all), with a batch of
+    sources built to hold it."""
+    for seed in range(20):
+        model = source_blind(seed)
+        output = greedy_outputs(model, *random_batch(1, seed=seed), bound=16)[0]
+        if len(output) >= 10 and len(set(output) - {EOS}) >= 5:
+            return model, output, padded(sources_holding(output))
+    raise AssertionError("no source-blind model among seeds 0..19 writes 10 or more varied tokens")
+
+
+@pytest.mark.parametrize("draft_tokens,match", [(8, 1), (4, 1), (2, 1), (4, 2), (3, 3)])
+def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, draft_tokens, match):
+    model, output, (input_ids, attention_mask) = blind
+    decoder = lookup(model, draft_tokens=draft_tokens, match=match, max_new_tokens=16)
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, 16).generate(model, input_ids, attention_mask))
+    replays = [lookup_replay(s, output, draft_tokens, match) for s in sources(input_ids, attention_mask)]
+    assert_replayed(out, replays)
+    assert_consistent_counters(out, no_cut=not any(out.hit_max_steps))
+    # not vacuous: drafts accepted, and rows accepting different numbers of them
+    assert out.stats["draft_tokens_accepted"] > 0
+    assert len({t - c for t, c in zip(out.tokens, out.decoder_calls)}) >= 3
+    for i in range(8):  # alone, unpadded
+        n = int(attention_mask[i].sum())
+        alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
+        assert_same_output(alone, sequential(model, 16).generate(model, input_ids[i:i + 1, :n],
+                                                                  attention_mask[i:i + 1, :n]))
+        assert alone.decoder_calls == [out.decoder_calls[i]]
+
+
+# ---- 2. calls by construction: the rigged chain model ---------------------------------------
+
+# CHAIN is 10, 11, .., 17, </s>: what the rigged model writes, whatever its source
+NOISE = [40, 41, 42]
+
+
+def run_rigged(rows: list[list[int]], chain=CHAIN, **options):
+    """Lookup decoding of the rigged model (its greedy output is `chain`) from sources `rows`:
+    (output, model, input_ids, attention_mask)."""
+    model, _ = rigged_model(chain)
+    input_ids, attention_mask = padded(rows)
+    out = lookup(model, **options).generate(model, input_ids, attention_mask)
+    return out, model, input_ids, attention_mask
+
+
+@pytest.mark.parametrize("source,draft_tokens,match,calls", [
+    # the source holds the whole answer: the first call writes 10, then each call accepts the whole
+    # draft and adds its own token: 1 + ceil(8 / (m + 1)) calls for the other 8 tokens
+    ([30] + CHAIN, 8, 1, 2),
+    ([30] + CHAIN, 4, 1, 3),
+    ([30] + CHAIN, 2, 1, 4),
+    ([30] + CHAIN, 1, 1, 5),
+    # match 2: no draft before two tokens are out: 10, 11, then 12..15 + 16, then 17 + </s>
+    ([30] + CHAIN, 4, 2, 4),
+    # ... even where the source repeats the first token: 10, 11, then 12 .. </s>
+    ([10] + CHAIN, 8, 2, 3),
+    # a miss: after 10 the draft 11, 12, 40, 41 is accepted up to 40, then 13; 13 and 14 are not
+    # in the source (one token each); after 15 the draft 16, 17, </s> ends it
+    ([10, 11, 12, *NOISE, 15, 16, 17, EOS], 4, 1, 5),
+    # nothing to find: one token per call, as sequential decoding
+    (NOISE, 4, 1, len(CHAIN)),
+    # the answer without its end token: the draft 11 .. 17 is accepted whole, then the model ends
+    (CHAIN[:-1], 8, 1, 2),
+    # drafts that run past the end token: 16, 17, </s>, 40, 41 accepted up to the end token (and
+    # maybe further: nothing after it is output)
+    (CHAIN + NOISE, 4, 1, 3),
+    # the latest occurrence wins: after 10 the earlier 10, 40 is passed over for 10, 11, ..
+    ([10, 40, 41, 10, 11, 12, 13, 14, 15, 16, 17, EOS], 8, 1, 2),
+    # an occurrence with nothing after it is passed over for one that has: 10 at the source's end
+    (CHAIN + [30, 10], 8, 1, 2),
+])
+def test_calls_by_construction(source, draft_tokens, match, calls):
+    out, *_ = run_rigged([source], draft_tokens=draft_tokens, match=match, max_new_tokens=20)
+    assert out.subsequences == [[CHAIN[:-1]]] and out.tokens == [len(CHAIN)]
+    assert out.hit_max_steps == [False]
+    assert out.decoder_calls == [calls] and out.batch_decoder_calls == calls
+    assert_replayed(out, [lookup_replay(source, CHAIN, draft_tokens, match)])
+    # without the end token in the source, the model's own end token ends the output: nothing is cut
+    assert_consistent_counters(out, no_cut=EOS not in source)
+
+
+def test_rows_with_different_sources_accept_different_numbers_in_one_batch():
+    rows = [[30] + CHAIN, [10, 11, 12, *NOISE, 15, 16, 17, EOS], NOISE, CHAIN + NOISE, CHAIN[:4]]
+    out, model, input_ids, attention_mask = run_rigged(rows, draft_tokens=4, max_new_tokens=20)
+    assert out.subsequences == [[CHAIN[:-1]]] * 5
+    assert out.decoder_calls == [3, 5, len(CHAIN), 3, 6]   # fewer calls than tokens where it hits
+    assert_replayed(out, [lookup_replay(row, CHAIN, 4, 1) for row in rows])
+    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
+
+
+def test_the_bound_cuts_inside_an_accepted_draft():
+    out, *_ = run_rigged([[30] + CHAIN], draft_tokens=8, max_new_tokens=6)
+    assert out.subsequences == [[CHAIN[:6]]] and out.tokens == [6] and out.hit_max_steps == [True]
+    assert out.decoder_calls == [2]
+    assert out.stats["draft_tokens_accepted"] == 8   # verified, though the bound output only 5
+
+
+def test_a_draft_cut_at_a_separator():
+    """Keyphrase-like: the output joins phrases with a separator the source never holds. The draft
+    after 10 (11, 12, 13, 14, </s>) is rejected at 13, where the model writes the separator; after
+    it nothing is found (with match 2, not before two tokens of the next phrase are out)."""
+    chain = [10, 11, 12, SEP, 13, 14, EOS]
+    source = [10, 11, 12, 13, 14, EOS]
+    for match, calls in ((1, 4), (2, 6)):
+        out, *_ = run_rigged([source], chain=chain, draft_tokens=8, match=match, max_new_tokens=20)
+        assert out.subsequences == [[[10, 11, 12], [13, 14]]]
+        assert out.decoder_calls == [calls]
+        assert out.stats["drafts_cut_at_separator"] == 1
+        assert_replayed(out, [lookup_replay(source, chain, 8, match)])
+
+
+# ---- 3. host syncs ------------------------------------------------------------------------------
+
+def test_one_host_sync_per_decoder_call(blind):
+    """The loop's stop check is the only host sync per call: the lookup adds none; the encoder
+    and the final read-back (of outputs and counters together) add one each per generate."""
+    model, _, (input_ids, attention_mask) = blind
+    decoder = lookup(model, draft_tokens=4, max_new_tokens=16)
+    decoder.generate(model, input_ids, attention_mask)   # lazy initialisations done
+    with counting_sync_points() as counter:
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert out.stats["draft_tokens_accepted"] > 0
+    assert counter.count <= out.batch_decoder_calls + 2
+
+
+# ---- 4. options, configuration, what it decodes ---------------------------------------------------
+
+@pytest.mark.parametrize("option,value", [("draft_tokens", 0), ("match", 0), ("max_new_tokens", 0),
+                                          ("draft_tokens", -3)])
+def test_invalid_options_name_the_value(option, value):
+    with pytest.raises(ValueError, match=rf"decoder\.{option} must be an integer >= 1.*got {value}"):
+        lookup(tiny_t5(0), **{option: value})
+
+
+def test_yaml_options_are_the_constructor_arguments():
+    cfg = compose(task="keyphrase", decoder="lookup")
+    options = {k: v for k, v in cfg.decoder.items() if k != "name"}
+    assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length}
+    decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
+    assert (decoder.draft_width, decoder.match) == (4, 1)
+    assert set(decoder_class("lookup").decode_options) == set(options)
+
+
+def test_it_decodes_what_sequential_trains_and_trains_nothing():
+    kind, seq = decoder_class("lookup"), decoder_class("sequential")
+    assert kind.can_decode_checkpoint_of(seq) and seq.can_decode_checkpoint_of(kind)
+    assert kind.can_decode_checkpoint_of(decoder_class("blockwise"))
+    assert not kind.can_decode_checkpoint_of(decoder_class("pipelined"))
+
+    class OwnLayout(Decoder):
+        layout_family = "own"
+    assert not kind.can_decode_checkpoint_of(OwnLayout)
+    decoder = lookup(tiny_t5(0))
+    assert kind.trains_nothing and not decoder.trains_backbone()
+    assert list(decoder.parameters()) == []
+    targets = [[[7, 8], [9]], [[12]]]
+    expected = sequential(tiny_t5(0), 20).layout(targets)["labels"]
+    assert torch.equal(decoder.layout(targets)["labels"], expected)
