@@ -20,6 +20,7 @@ random draws: a test whose "not vacuous" guard held only by the luck of one draw
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -39,8 +40,15 @@ def float64_default(request):
     if request.node.get_closest_marker("float64") is None:
         yield
         return
+    with default_dtype(torch.float64):
+        yield
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype is `dtype` inside the block, and what it was after it."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:

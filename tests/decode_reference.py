@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -31,7 +30,7 @@ import torch
 
 import decoders.nar
 from decoders import DecodeOutput, build_decoder
-from tests.conftest import SEED_SHIFT, SPECIAL, random_batch, tiny_t5
+from tests.conftest import SEED_SHIFT, SPECIAL, default_dtype, random_batch, tiny_t5
 
 REFERENCE = Path(__file__).parent / "data" / "decode_reference.json"
 # The smallest decision margin a kept case may have. The tiny T5's logits are of order 1 to 100,
@@ -94,17 +93,6 @@ def case_id(case: dict) -> str:
 
 # ---- building and decoding a case ---------------------------------------------------------------
 
-@contextmanager
-def float64_default():
-    """torch's default dtype is float64 inside the block, and what it was after it."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def build_case(case: dict):
     """A case's (model, decoder, input_ids, attention_mask), built in float64.
 
@@ -113,7 +101,7 @@ def build_case(case: dict):
     with standard deviation `module_scale`: at zero those modules would add nothing (every proposal
     head would propose the base head's token again) and the decode would not exercise them.
     """
-    with float64_default():
+    with default_dtype(torch.float64):
         # The reference pins particular seeds: undo the suite's seed shift (PIPEDEC_TEST_SEED),
         # which varies the draws of the tests that look for their cases by property.
         model = tiny_t5(case["model_seed"] - SEED_SHIFT,
@@ -132,7 +120,7 @@ def build_case(case: dict):
 def decode_case(case: dict) -> DecodeOutput:
     """The case's decode, in float64."""
     model, decoder, input_ids, attention_mask = build_case(case)
-    with float64_default(), torch.no_grad():
+    with default_dtype(torch.float64), torch.no_grad():
         return decoder.generate(model, input_ids, attention_mask)
 
 
@@ -167,7 +155,7 @@ def decision_margin(case: dict) -> tuple[DecodeOutput, float]:
         gaps.append(smallest_gap(choices, ranked))
 
     hook = model.lm_head.register_forward_hook(record)
-    with float64_default(), torch.no_grad():
+    with default_dtype(torch.float64), torch.no_grad():
         if case["decoder"] == "nar":
             nar = NarDecisions(decoder)
             with mock.patch.object(decoders.nar, "tokens_to_remask", nar.tokens_to_remask):
