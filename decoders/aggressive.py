@@ -58,10 +58,15 @@ class Drafts:
 
 @register("aggressive")
 class AggressiveDecoder(DraftAndVerifyDecoder):
-    layout_family = "flat-causal"  # it decodes a sequential checkpoint and trains nothing of its own
+    layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
+    trains_nothing = True
+    decode_settings = "decoder.drafter=NAR_CKPT"
     decode_options = ("draft_tokens", "drafter", "top_k", "max_new_tokens", "drafter_iterations")
     calls_stat = "aggressive_calls"
+    # The sequential layout and loss, shared rather than copied: those of the model it verifies with
+    # (tasks never fit this decoder, `trains_nothing`).
     layout = SequentialDecoder.layout
+    loss = SequentialDecoder.loss
 
     option_ranges = {"draft_tokens": Range(ge=1, note="draft tokens verified per call"),
                      "top_k": Range(ge=1, note="1 = exact acceptance"), "max_new_tokens": Range(ge=1),
@@ -100,10 +105,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         return super().train(mode)
 
     # ---- training: none; it decodes a sequential checkpoint ----------------------------------
-    def loss(self, model, input_ids, attention_mask, layout):
-        raise NotImplementedError("the aggressive decoder trains nothing: decode a sequential "
-                                  "checkpoint with it (tasks.test decoder=aggressive decoder.drafter=...)")
-
     def trains_backbone(self) -> bool:
         return False
 

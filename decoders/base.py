@@ -69,6 +69,10 @@ class Decoder(nn.Module, abc.ABC):
     # decoder, whose trained model it decodes as it is (lookup). tasks.fit refuses it; tasks.compare
     # gives its row the sequential row's model.
     trains_nothing: ClassVar[bool] = False
+    # Settings a decode of it needs beyond the checkpoint it decodes, as a command line shows them
+    # (aggressive: "decoder.drafter=NAR_CKPT", the second checkpoint it drafts with); "" when none.
+    # tasks.test loads them; tasks.compare loads none, so it refuses such a decoder.
+    decode_settings: ClassVar[str] = ""
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""

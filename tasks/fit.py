@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from tasks.config import ConfigError, compose, to_yaml
+from tasks.config import compose, to_yaml
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import find_resumable
 from tasks.runs.tracking import experiment_name, run_link
-from tasks.runs.trainer import train_and_test
+from tasks.runs.trainer import check_something_to_train, train_and_test
 
 LATEST = object()  # `--resume` without a run id
 
@@ -33,10 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.overrides.append(args.resume)
         args.resume = LATEST
     cfg = compose(args.task, args.decoder, args.config, args.overrides)
-    if cfg.decoder.name == "aggressive":
-        raise ConfigError("the aggressive decoder trains nothing: it decodes a trained sequential "
-                          "checkpoint with a trained nar drafter; fit those two, then run python -m "
-                          "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT")
+    check_something_to_train(cfg)  # before a resumable run is looked for
     if args.print_config:
         print(to_yaml(cfg))
         return {}

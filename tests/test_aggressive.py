@@ -316,6 +316,18 @@ def test_fit_refuses_the_aggressive_decoder_and_names_the_way(tmp_path, monkeypa
     assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
 
 
+def test_compare_refuses_the_aggressive_decoder_before_any_work(tmp_path, monkeypatch, capsys):
+    """tasks.compare loads no drafter: a row of it would fail after the sequential row's training."""
+    from tasks import compare
+    from tests.test_faults import fails_before_any_work
+    from tests.test_end_to_end import TINY, tracking
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, ["--decoders", "sequential,aggressive", *TINY,
+                                             *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert "decoder aggressive needs decoder.drafter=NAR_CKPT to decode" in stderr
+    assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
+
+
 def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
     from tasks.runs.checkpoints import load_checkpoint
     from tasks.test import checkpoint_config, restore_module

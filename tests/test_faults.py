@@ -398,7 +398,7 @@ def test_a_lookup_fit_fails_before_any_work_naming_the_ways_to_use_it(tmp_path, 
     stderr = fails_before_any_work(fit, ["--decoder", "lookup", *TINY, *tracking(tmp_path)],
                                    tmp_path, monkeypatch, capsys)
     assert "decoder lookup trains nothing: it decodes a trained sequential model as it is" in stderr
-    assert "python -m tasks.test --ckpt SEQUENTIAL_CHECKPOINT decoder=lookup" in stderr
+    assert "python -m tasks.test --ckpt SEQUENTIAL_CKPT decoder=lookup" in stderr
     assert "python -m tasks.compare --decoders sequential,lookup" in stderr
 
 

@@ -171,8 +171,15 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
 def decodes_sequential_row(cfg: DictConfig, has_sequential: bool, loaded: bool) -> bool:
     """Whether the row of a decoder that trains nothing (`Decoder.trains_nothing`) decodes the
     model of the comparison's sequential row: it does, unless a --ckpt checkpoint is its model. With
-    neither, the row has no model to decode: refused here, before any work."""
+    neither, the row has no model to decode, and a decoder that needs more to decode than a model
+    (`Decoder.decode_settings`: aggressive's drafter) gets nothing more here: both refused here,
+    before any work."""
     name = cfg.decoder.name
+    settings = decoder_class(name).decode_settings
+    if settings:
+        raise ConfigError(f"decoder {name} needs {settings} to decode, which tasks.compare does not "
+                          f"load: decode a sequential checkpoint with it, python -m tasks.test --ckpt "
+                          f"SEQUENTIAL_CKPT decoder={name} {settings}")
     if not (has_sequential or loaded):
         raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model, and "
                           f"this comparison gives it none: add sequential to --decoders (it then "

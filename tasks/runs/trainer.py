@@ -128,11 +128,15 @@ def check_something_to_train(cfg: DictConfig) -> None:
     """Refuse (ConfigError) to fit a decoder that trains nothing (`Decoder.trains_nothing`): a fit of
     it would train a sequential model under its name. The message names the ways to use it."""
     name = cfg.decoder.name
-    if decoder_class(name).trains_nothing:
+    kind = decoder_class(name)
+    if kind.trains_nothing:
+        settings = kind.decode_settings
+        compared = ("" if settings else f", or compare it with the model of a sequential row "
+                                        f"(python -m tasks.compare --decoders sequential,{name})")
         raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model as it "
                           f"is. Decode a sequential checkpoint with it (python -m tasks.test --ckpt "
-                          f"SEQUENTIAL_CHECKPOINT decoder={name}), or compare it with the model of a "
-                          f"sequential row (python -m tasks.compare --decoders sequential,{name})")
+                          f"SEQUENTIAL_CKPT decoder={name}{' ' + settings if settings else ''})"
+                          f"{compared}")
 
 
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
