@@ -49,7 +49,6 @@ class Drafts:
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
     tokens: torch.Tensor          # (B, max_length) the current draft, by output index
     lengths: torch.Tensor         # (B,) how many of them are drafted
-    fed_offered: torch.Tensor     # (B,) draft tokens offered in the example's last drafts
     offered: torch.Tensor         # 0-dim: draft tokens offered to the verifier so far
     accepted: torch.Tensor        # 0-dim: draft tokens it accepted
     redrafts: int = 0             # rows drafted again
@@ -127,15 +126,15 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         padded[:, : tokens.size(1)] = tokens
         zero = torch.zeros((), dtype=torch.long, device=tokens.device)
         return Drafts(nar_states, cross_attention_mask(attention_mask, nar_states.dtype), padded,
-                      lengths, fed_offered=torch.zeros_like(lengths), offered=zero, accepted=zero,
-                      passes=max(passes))
+                      lengths, offered=zero, accepted=zero, passes=max(passes))
 
     def draft(self, model, state: Drafts, verified: Verified):
         examples = verified.origin.view(-1)                           # (live,)
         count, m = verified.count, self.draft_tokens
-        # the call just made verified the live rows' last drafts (drafts made after a row's last
-        # call are never fed, so they are counted here, when fed, not when made)
-        state.offered = state.offered + state.fed_offered[examples].sum()
+        # the call just made verified the drafts it fed (none at the first call); drafts made
+        # after a row's last call are never fed, so they are counted here, when fed, not when made
+        if verified.offered is not None:
+            state.offered = state.offered + verified.offered.sum()
         state.accepted = state.accepted + verified.accepted.sum()
         self.redraft(state, verified)
         lengths = state.lengths[examples]                             # (live,)
@@ -145,7 +144,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         indices = (count[:, None] + torch.arange(m, device=count.device)).clamp(max=columns - 1)
         drafts = state.tokens[examples[:, None], indices]             # (live, m)
         offered = (lengths - count).clamp(0, m)
-        state.fed_offered[examples] = offered
         return drafts, offered
 
     def redraft(self, state: Drafts, verified: Verified) -> None:
