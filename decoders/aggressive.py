@@ -103,10 +103,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
             module.train(mode)
         return super().train(mode)
 
-    # ---- training: none; it decodes a sequential checkpoint ----------------------------------
-    def trains_backbone(self) -> bool:
-        return False
-
     # ---- drafting ----------------------------------------------------------------------------
     @property
     def draft_width(self) -> int:

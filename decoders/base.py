@@ -113,8 +113,9 @@ class Decoder(nn.Module, abc.ABC):
 
     def trains_backbone(self) -> bool:
         """Whether training updates the backbone's weights; False when only the decoder's own
-        modules learn (a frozen backbone), which is all a fit of it costs beyond that backbone's."""
-        return True
+        modules learn (a frozen backbone), which is all a fit of it costs beyond that backbone's, or
+        when it trains nothing (`trains_nothing`)."""
+        return not self.trains_nothing
 
     def calls_for_output(self, subsequences: list[list[int]]) -> int | None:
         """Decoder calls this decoder takes to produce exactly `subsequences` (ids, no end or

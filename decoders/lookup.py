@@ -80,9 +80,6 @@ class LookupDecoder(DraftAndVerifyDecoder):
         self.match = int(match)
         self.max_new_tokens = int(max_new_tokens)
 
-    def trains_backbone(self) -> bool:
-        return False  # nothing of its own to train, and the backbone is the sequential model's
-
     # ---- generation: draft and verify, the source drafts ----------------------------------------
     @property
     def draft_width(self) -> int:
