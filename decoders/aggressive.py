@@ -59,7 +59,7 @@ class Drafts:
 class AggressiveDecoder(DraftAndVerifyDecoder):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
-    decode_settings = "decoder.drafter=NAR_CKPT"
+    drafts_with = "nar"
     decode_options = ("draft_tokens", "drafter", "top_k", "max_new_tokens", "drafter_iterations")
     calls_stat = "aggressive_calls"
     # The sequential layout and loss, shared rather than copied: those of the model it verifies with

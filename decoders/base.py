@@ -69,10 +69,11 @@ class Decoder(nn.Module, abc.ABC):
     # decoder, whose trained model it decodes as it is (lookup). tasks.fit refuses it; tasks.compare
     # gives its row the sequential row's model.
     trains_nothing: ClassVar[bool] = False
-    # Settings a decode of it needs beyond the checkpoint it decodes, as a command line shows them
-    # (aggressive: "decoder.drafter=NAR_CKPT", the second checkpoint it drafts with); "" when none.
-    # tasks.test loads them; tasks.compare loads none, so it refuses such a decoder.
-    decode_settings: ClassVar[str] = ""
+    # The decoder whose trained checkpoint its option `drafter` names, a second model a decode of it
+    # drafts with (aggressive: "nar"); None when it needs none beyond the model it decodes.
+    # tasks.test and tasks.predict load `decoder.drafter`; tasks.compare gives it the checkpoint of
+    # that decoder's row.
+    drafts_with: ClassVar[str | None] = None
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""
@@ -128,6 +129,12 @@ class Decoder(nn.Module, abc.ABC):
         decoder's structure allows on a dataset, measurable without training (tasks.experiments.reference_calls).
         """
         return None
+
+    @classmethod
+    def inexact(cls, options: Mapping[str, Any]) -> bool:
+        """Whether `options` relax a verification that otherwise keeps the output exactly its model's
+        greedy output (top-k acceptance in the draft-and-verify decoders): tables label such rows."""
+        return False
 
     @classmethod
     def can_decode_checkpoint_of(cls, trained: type["Decoder"]) -> bool:

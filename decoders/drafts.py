@@ -169,6 +169,10 @@ class DraftAndVerifyDecoder(Decoder):
         """m: the draft tokens fed per call after the last accepted token (>= 1)."""
         raise NotImplementedError
 
+    @classmethod
+    def inexact(cls, options) -> bool:
+        return int(options.get("top_k", 1)) > 1
+
     def begin_drafts(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      encoder_states: torch.Tensor) -> Any:
         """Per-decode state of the drafter (None by default), passed to every `draft` call."""

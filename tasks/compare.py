@@ -23,8 +23,11 @@ millisecond), over its level before the decode. The device and the flushing are 
 results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
 speedup against its value).
 
-A decoder that trains nothing (lookup: `Decoder.trains_nothing`) decodes the sequential row's tested
-model as it is; without a sequential row or a --ckpt checkpoint for it, the comparison is refused.
+A decoder that trains nothing (lookup, aggressive: `Decoder.trains_nothing`) decodes the sequential
+row's tested model as it is; without a sequential row or a --ckpt checkpoint for it, the comparison
+is refused. aggressive drafts with the nar row's tested model (`Decoder.drafts_with`; its
+`decoder.drafter` is set to that checkpoint), so it needs a nar row beside it (--ckpt nar=PATH reuses
+one). A row whose options relax exact verification (top_k > 1) is labelled inexact in the table.
 
 In MLflow the comparison is one run, created before any row is fitted, with every row's run nested
 under it (`mlflow.parentRunId`), all tagged with one comparison id. It holds the table, its JSON and
@@ -47,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder, decoder_class
 from tasks.comparison.measure import measure_speed
-from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential,
+from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, check_drafters, on_sequential,
                                    parse_checkpoints, parse_decoders, parse_sweeps, plan,
                                    training_key, training_label, user_sets)
 from tasks.comparison.report import markdown, plots, report, summary_metrics
@@ -58,7 +61,7 @@ from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
                                  open_tracking, run_link, run_status)
 from tasks.runs.trainer import Built, decode_device, decoder_options, score_into_run, train_and_test
-from tasks.test import restore
+from tasks.test import attach_drafter, restore, tokenizer_identity
 
 # `plan`'s rows: each one's resolved configuration and the decoder options its sweep set.
 PlannedRows = list[tuple[DictConfig, list[str]]]
@@ -97,13 +100,17 @@ def plan_rows(args: argparse.Namespace) -> tuple[PlannedRows, list[bool], dict[s
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     sweeps = parse_sweeps(args.sweep)
     planned = plan(args.task, decoders, args.config, args.overrides, sweeps)
-    starts = on_sequential(planned, args.backbone, checkpoints,
-                           lambda key: user_sets(key, args.config, args.overrides, sweeps))
+    user_set = lambda key: user_sets(key, args.config, args.overrides, sweeps)  # noqa: E731
+    starts = on_sequential(planned, args.backbone, checkpoints, user_set)
+    check_drafters(planned, user_set)
     return planned, starts, checkpoints
 
 
 def print_plan(planned: PlannedRows, starts: list[bool]) -> None:
     for (cfg, _), start in zip(planned, starts):
+        drafts_with = decoder_class(cfg.decoder.name).drafts_with
+        if drafts_with:
+            print(f"# decoder.drafter: the {drafts_with} row's checkpoint, once trained or loaded")
         if start and decoder_class(cfg.decoder.name).trains_nothing:
             print("# decodes the sequential row's model, once trained or loaded")
         elif start:
@@ -112,12 +119,26 @@ def print_plan(planned: PlannedRows, starts: list[bool]) -> None:
 
 
 def load_checkpoints(planned: PlannedRows, checkpoints: dict[str, str]) -> dict[str, dict]:
-    """The --ckpt checkpoints by decoder, each checked against the rows it serves."""
+    """The --ckpt checkpoints by decoder, each checked against the rows it serves; a drafter's and
+    its verifier's (`Decoder.drafts_with`), where both are given, checked to share a tokenizer."""
     loaded = {name: load_checkpoint(path) for name, path in checkpoints.items()}
     for cfg, _ in planned:
-        if cfg.decoder.name in loaded:
-            check_checkpoint(loaded[cfg.decoder.name], checkpoints[cfg.decoder.name], cfg)
+        name = cfg.decoder.name
+        if name in loaded:
+            check_checkpoint(loaded[name], checkpoints[name], cfg)
+        drafts_with = decoder_class(name).drafts_with
+        verifier = name if name in loaded else "sequential"
+        if drafts_with in loaded and verifier in loaded:
+            check_drafter(loaded[drafts_with], checkpoints[drafts_with], loaded[verifier],
+                          checkpoints[verifier])
     return loaded
+
+
+def check_drafter(drafter: dict, drafter_path: str, verifier: dict, verifier_path: str) -> None:
+    if tokenizer_identity(drafter) != tokenizer_identity(verifier):
+        raise ConfigError(f"--ckpt checkpoints {drafter_path} (the drafter) and {verifier_path} (the "
+                          f"model it drafts for) have different tokenizers; a drafter and its "
+                          f"verifier must share one")
 
 
 def score_row(cfg: DictConfig, built, tags: dict, callbacks: list) -> Row:
@@ -127,13 +148,16 @@ def score_row(cfg: DictConfig, built, tags: dict, callbacks: list) -> Row:
     return Row(cfg, built.module, built.datamodule, logger)
 
 
-def with_decoder(cfg: DictConfig, trained) -> object:
-    """The trained backbone and decoder modules under a decoder built with `cfg`'s options."""
+def with_decoder(cfg: DictConfig, trained: Built, checkpoint: str) -> Built:
+    """The trained backbone and decoder modules (of `checkpoint`) under a decoder built with `cfg`'s
+    options, its drafter attached where it drafts with another model."""
     module = trained.module
     decoder = build_decoder(cfg.decoder.name, module.backbone.config, special_tokens(module.tokenizer),
                             **decoder_options(cfg))
     decoder.load_state_dict(module.decoder.state_dict())
     new = TASK_MODULES[cfg.task.name](cfg, module.backbone, decoder, module.tokenizer)
+    if decoder_class(cfg.decoder.name).drafts_with:
+        attach_drafter(new, cfg, load_checkpoint(checkpoint))
     return Built(trained.datamodule, new)
 
 
@@ -143,33 +167,37 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
     only in decode-time options), then tested as its own MLflow run with `tags`, in the plan's
     order; `callbacks` join every trainer's."""
     trained: dict[str, tuple[Built, str]] = {}  # training key -> the model and its checkpoint
-    sequential_model = sequential_checkpoint = None
+    first: dict[str, tuple[Built, str]] = {}    # decoder -> its first row's model and checkpoint
     rows: list[Row | None] = [None] * len(planned)
-    # the rows that start from the sequential row's checkpoint after it; the table keeps the plan's order
-    for index in sorted(range(len(planned)), key=lambda i: starts[i]):
+    # the rows that start from the sequential row's checkpoint after it, and those that draft with
+    # another row's model after that row; the table keeps the plan's order
+    drafts = [decoder_class(cfg.decoder.name).drafts_with is not None for cfg, _ in planned]
+    for index in sorted(range(len(planned)), key=lambda i: (starts[i], drafts[i])):
         cfg, swept = planned[index]
         name = cfg.decoder.name
         if starts[index]:
-            cfg.train.init_from = sequential_checkpoint
+            cfg.train.init_from = first["sequential"][1]
+        if drafts[index]:
+            cfg.decoder.drafter = first[decoder_class(name).drafts_with][1]
         training = training_label(cfg, starts[index], name in checkpoints)
         row_tags = {**tags, "training": training}
         key = training_key(cfg)
         if key in trained:
-            row = score_row(cfg, with_decoder(cfg, trained[key][0]), row_tags, callbacks)
+            row = score_row(cfg, with_decoder(cfg, *trained[key]), row_tags, callbacks)
         elif name in checkpoints:
             trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
             row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
                             callbacks)
         elif decoder_class(name).trains_nothing:  # the sequential row's model, as it is
-            row = score_row(cfg, with_decoder(cfg, sequential_model), row_tags, callbacks)
+            row = score_row(cfg, with_decoder(cfg, *first["sequential"]), row_tags, callbacks)
         else:
             log.info("training %s (%s)", name, training)
             result = train_and_test(cfg, tags=row_tags, callbacks=callbacks)
             trained[key] = result.built, result.checkpoint
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
             row.fit_seconds = result.fit_seconds
-        if name == "sequential" and sequential_checkpoint is None:
-            sequential_model, sequential_checkpoint = trained[key]
+        if name not in first and key in trained:
+            first[name] = trained[key]
         row.swept = swept
         row.training = training
         row.quality = dict(row.module.quality_scores)

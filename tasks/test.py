@@ -36,24 +36,27 @@ def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_
             raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
                               f"it cannot be used as {group} {cfg[group][key]!r}")
     check_decoder(checkpoint, path, cfg.decoder.name)
-    if cfg.decoder.name == "aggressive":
+    if decoder_class(cfg.decoder.name).drafts_with:
         drafter_checkpoint(cfg, checkpoint)  # refused here, before any work, if it cannot draft
     return cfg
 
 
 def drafter_checkpoint(cfg, verifier: dict) -> dict:
-    """The checkpoint `decoder.drafter` names for an aggressive decoder verifying with the
-    checkpoint `verifier`: a nar checkpoint with the verifier's tokenizer, else ConfigError."""
-    path = cfg.decoder.drafter
+    """The checkpoint `decoder.drafter` names for a decoder that drafts with another decoder's model
+    (`Decoder.drafts_with`: aggressive drafts with nar's), verifying with the checkpoint `verifier`:
+    one trained with that decoder, with the verifier's tokenizer, else ConfigError."""
+    path, name = cfg.decoder.drafter, cfg.decoder.name
+    drafts_with = decoder_class(name).drafts_with
     if path is None:
-        raise ConfigError("decoder=aggressive needs a drafter: set decoder.drafter=NAR_CKPT, a "
-                          "checkpoint written by tasks.fit --decoder nar")
+        raise ConfigError(f"decoder={name} needs a drafter: set decoder.drafter="
+                          f"{drafts_with.upper()}_CKPT, a checkpoint written by tasks.fit --decoder "
+                          f"{drafts_with}")
     drafter = load_checkpoint(path)
     stored = drafter["hyper_parameters"]["cfg"]
     trained_with = drafter.get("decoder_name", stored["decoder"]["name"])
-    if trained_with != "nar":
+    if trained_with != drafts_with:
         raise ConfigError(f"decoder.drafter={path} was trained with decoder {trained_with!r}; the "
-                          f"aggressive decoder drafts with a nar checkpoint")
+                          f"{name} decoder drafts with a {drafts_with} checkpoint")
     if tokenizer_identity(drafter) != tokenizer_identity(verifier):
         raise ConfigError(f"decoder.drafter={path} has another tokenizer than the checkpoint it "
                           f"drafts for; a drafter and its verifier must share one")
@@ -69,7 +72,10 @@ def tokenizer_identity(checkpoint: dict):
 
 
 def attach_drafter(module: GenerationTask, cfg, verifier: dict) -> None:
-    """An aggressive decoder's drafter, restored from `decoder.drafter` and attached to it."""
+    """The drafter of a decoder that drafts with another decoder's model (`Decoder.drafts_with`),
+    restored from `decoder.drafter` and attached to it; nothing for the other decoders."""
+    if not decoder_class(cfg.decoder.name).drafts_with:
+        return
     path = cfg.decoder.drafter
     drafter = drafter_checkpoint(cfg, verifier)
     nar = restore_module(drafter, path, checkpoint_config(drafter, path, []))
@@ -102,8 +108,7 @@ def restore(checkpoint: dict, path: str, cfg):
     (`load_weights`)."""
     built = build(cfg, stored_model(checkpoint))
     load_weights(built.module, checkpoint, path)
-    if cfg.decoder.name == "aggressive":
-        attach_drafter(built.module, cfg, checkpoint)
+    attach_drafter(built.module, cfg, checkpoint)
     return built
 
 
@@ -116,8 +121,7 @@ def restore_module(checkpoint: dict, path: str, cfg) -> GenerationTask:
                           f"which loads one as its data is read")
     module = build_module(cfg, stored.tokenizer, stored.backbone_config)
     load_weights(module, checkpoint, path)
-    if cfg.decoder.name == "aggressive":
-        attach_drafter(module, cfg, checkpoint)
+    attach_drafter(module, cfg, checkpoint)
     return module
 
 

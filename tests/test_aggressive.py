@@ -316,16 +316,71 @@ def test_fit_refuses_the_aggressive_decoder_and_names_the_way(tmp_path, monkeypa
     assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
 
 
-def test_compare_refuses_the_aggressive_decoder_before_any_work(tmp_path, monkeypatch, capsys):
-    """tasks.compare loads no drafter: a row of it would fail after the sequential row's training."""
+@pytest.mark.parametrize("decoders,extra,message", [
+    ("sequential,aggressive", [], "decoder aggressive drafts with a nar model, and this comparison "
+                                  "has none: add nar to --decoders"),
+    ("sequential,nar,aggressive", ["decoder.drafter=n.ckpt"],
+     "decoder.drafter: in tasks.compare decoder aggressive drafts with the nar row's model"),
+])
+def test_compare_refuses_an_aggressive_row_without_its_nar_row_before_any_work(
+        decoders, extra, message, tmp_path, monkeypatch, capsys):
     from tasks import compare
     from tests.test_faults import fails_before_any_work
     from tests.test_end_to_end import TINY, tracking
     monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
-    stderr = fails_before_any_work(compare, ["--decoders", "sequential,aggressive", *TINY,
-                                             *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
-    assert "decoder aggressive needs decoder.drafter=NAR_CKPT to decode" in stderr
-    assert "tasks.test --ckpt SEQUENTIAL_CKPT decoder=aggressive decoder.drafter=NAR_CKPT" in stderr
+    stderr = fails_before_any_work(compare, ["--decoders", decoders, *TINY, *extra, *tracking(tmp_path)],
+                                   tmp_path, monkeypatch, capsys)
+    assert message in stderr and "--ckpt nar=NAR_CKPT" in stderr
+
+
+def test_compare_refuses_checkpoints_with_other_tokenizers_before_any_work(
+        saved_checkpoints, tmp_path, monkeypatch, capsys):
+    from tasks import compare
+    from tests.test_faults import fails_before_any_work
+    from tests.test_end_to_end import TINY, tracking
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    stderr = fails_before_any_work(compare, [
+        "--decoders", "sequential,nar,aggressive", "--ckpt", f"sequential={saved_checkpoints.sequential.path}",
+        "--ckpt", f"nar={saved_checkpoints.other_tokenizer}", *TINY, "model.initializer_factor=6",
+        *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert "have different tokenizers; a drafter and its verifier must share one" in stderr
+
+
+def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
+        saved_checkpoints, tmp_path, monkeypatch):
+    """sequential and nar from --ckpt, aggressive between them in the plan: its rows decode the
+    sequential row's model with the nar row's checkpoint as drafter, the exact one predicting what
+    sequential predicts; top_k > 1 is labelled inexact; draft counters per call in JSON and table."""
+    from mlflow.tracking import MlflowClient
+    from tasks import compare
+    from tests.test_end_to_end import TINY, run_artifact_rows, tracking
+    monkeypatch.setattr(compare, "train_and_test", lambda *a, **k: pytest.fail("trained a row"))
+    sequential_ckpt, nar_ckpt = saved_checkpoints.sequential.path, saved_checkpoints.nar
+    out = tmp_path / "cmp.json"
+    result = compare.main(["--decoders", "sequential,aggressive,nar", "--ckpt", f"sequential={sequential_ckpt}",
+                           "--ckpt", f"nar={nar_ckpt}", "--sweep", "decoder.top_k=1,3",
+                           "--out", str(out), "--repeats", "1", "--speed-examples", "2",
+                           *TINY, "model.initializer_factor=6", *tracking(tmp_path)])
+    rows = {row["label"]: row for row in result["rows"]}
+    assert list(rows) == ["sequential", "aggressive(top_k=1)", "aggressive(top_k=3)", "nar"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+    def predictions(label):
+        return [r["prediction"] for r in run_artifact_rows(client, rows[label]["mlflow_run_id"],
+                                                           tmp_path / label)]
+    assert predictions("aggressive(top_k=1)") == predictions("sequential")
+    for label in ("aggressive(top_k=1)", "aggressive(top_k=3)"):
+        params = client.get_run(rows[label]["mlflow_run_id"]).data.params
+        assert (params["decoder.drafter"], params["train.init_from"]) == (nar_ckpt, sequential_ckpt)
+        assert rows[label]["training"] == "none: sequential model, nar row's drafter"
+        drafts = rows[label]["drafts"]
+        assert 0 <= drafts["draft_tokens_accepted_per_call"] <= drafts["draft_tokens_offered_per_call"]
+        assert drafts["redrafts_per_call"] >= 0 and "drafts_cut_at_separator_per_call" not in drafts
+    assert [rows[label]["inexact"] for label in rows] == [False, False, True, False]
+    assert rows["sequential"]["drafts"] is None and rows["nar"]["drafts"] is None
+    table = out.with_suffix(".md").read_text()
+    assert "| aggressive(top_k=3) (inexact)" in table and "aggressive(top_k=1) (inexact)" not in table
+    assert "draft tokens offered/call" in table
 
 
 def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):

@@ -309,6 +309,9 @@ def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_pat
     assert lookup["training"] == "none: sequential model"
     assert "| none: sequential model |" in (tmp_path / "cmp.md").read_text()
     assert lookup["fit_seconds"] is None and lookup["trained_parameters"] == 0
+    drafts = lookup["drafts"]  # per decoder call; sequential drafts nothing
+    assert 0 <= drafts["draft_tokens_accepted_per_call"] <= drafts["draft_tokens_offered_per_call"]
+    assert drafts["drafts_cut_at_separator_per_call"] >= 0 and sequential["drafts"] is None
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(lookup["mlflow_run_id"])
     assert run.data.params["train.init_from"] == "sequential.ckpt"  # what it decoded

@@ -3,7 +3,9 @@
 # Run from the repository root. The real-text entries read JSONL folders (the library's schema)
 # under DATA: $DATA/kp20k, $DATA/cnndm, $DATA/pubmed, $DATA/multispanqa.
 #
-#   tasks/bench/run_benchmarks.sh keyphrase          # all four decoders trained, built-in keyphrase data
+#   tasks/bench/run_benchmarks.sh keyphrase          # every decoder, built-in keyphrase data (lookup and
+#                                                # aggressive train nothing: they decode the sequential
+#                                                # row's model, aggressive drafting with the nar row's)
 #   tasks/bench/run_benchmarks.sh summarization      # sequential, pipelined, blockwise trained
 #   tasks/bench/run_benchmarks.sh qa                 # the same on built-in multi-span QA
 #   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on $DATA/kp20k
@@ -28,6 +30,12 @@
 #                                                # (CPU-sized: 8 texts, 2 restarts, 1000 iterations)
 #   tasks/bench/run_benchmarks.sh stop-rule TASK S P # pipelined checkpoint P decoded under both stopping
 #                                                # rules beside sequential checkpoint S (no training)
+#   tasks/bench/run_benchmarks.sh drafts NAME TASK S P B N [key=value ...]
+#                                                # lookup and aggressive beside sequential, pipelined,
+#                                                # blockwise and nar on checkpoints S P B N of TASK (no
+#                                                # training; key=value: the data they were fitted on)
+#   tasks/bench/run_benchmarks.sh multispanqa-fit    # sequential, pipelined, blockwise, nar fitted on
+#                                                # $DATA/multispanqa (their checkpoints, for drafts)
 #
 # Every run trains with the same default budget (t5-tiny, 10 epochs, seed 42) and times the decoders
 # interleaved on the first 100 test examples (median of 3 passes after a warm-up). Blockwise trains
@@ -36,15 +44,15 @@
 # mlruns/artifacts/<run id>/checkpoints/; each run's `tested_checkpoint` tag names the one tested.
 set -euo pipefail
 case "${1:-}" in  # the real-text entries
-    kp20k | cnndm* | pretrain | kp20k-pretrained)
+    kp20k | cnndm* | pretrain | kp20k-pretrained | multispanqa-fit)
         : "${DATA:?set DATA to the folder that holds the JSONL folders kp20k/, cnndm/, pubmed/, multispanqa/}" ;;
 esac
 SPEED="--speed-examples 100 --repeats 3 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false"
 SWEEP="--sweep decoder.iterations=1,2,4,10"
 case "${1:-}" in
     keyphrase)
-        python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
-            $SPEED --out results/builtin_keyphrase.json ;;
+        python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar,lookup,aggressive \
+            $SWEEP $SPEED --out results/builtin_keyphrase.json ;;
     kp20k)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
             $SPEED data=jsonl data.path="$DATA/kp20k" data.max_eval_examples=200 \
@@ -102,10 +110,20 @@ case "${1:-}" in
     delay-sweep)  # TASK [S]: one pipelined model per delay; S = a sequential checkpoint of TASK to reuse
         python -m tasks.compare --task "$2" --decoders sequential,pipelined --sweep decoder.delay=1,2,3,4 \
             ${3:+--ckpt "sequential=$3"} $SPEED --out "results/builtin_$2_delays.json" ;;
+    drafts)  # NAME TASK S P B N [key=value ...]
+        name="$2" task="$3" S="$4" P="$5" B="$6" N="$7"
+        shift 7
+        python -m tasks.compare --task "$task" --decoders sequential,pipelined,blockwise,nar,lookup,aggressive \
+            --ckpt "sequential=$S" --ckpt "pipelined=$P" --ckpt "blockwise=$B" --ckpt "nar=$N" $SPEED "$@" \
+            --out "results/${name}_drafts.json" ;;
+    multispanqa-fit)  # the data=jsonl defaults, as kp20k; timing on 20 examples only (the drafts entry times)
+        python -m tasks.compare --task qa --decoders sequential,pipelined,blockwise,nar --speed-examples 20 \
+            --repeats 1 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false \
+            data=jsonl data.path="$DATA/multispanqa" --out multispanqa_fit.json ;;
     summarization | qa)
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise $SPEED \
             --out "results/builtin_$1.json" ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | cnndm | pretrain | kp20k-pretrained C | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P" >&2
+        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | cnndm | pretrain | kp20k-pretrained C | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P | drafts NAME TASK S P B N [key=value ...] | multispanqa-fit" >&2
         exit 2 ;;
 esac

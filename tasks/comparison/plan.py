@@ -171,15 +171,8 @@ def on_sequential(planned: list[tuple[DictConfig, list[str]]], backbone: str,
 def decodes_sequential_row(cfg: DictConfig, has_sequential: bool, loaded: bool) -> bool:
     """Whether the row of a decoder that trains nothing (`Decoder.trains_nothing`) decodes the
     model of the comparison's sequential row: it does, unless a --ckpt checkpoint is its model. With
-    neither, the row has no model to decode, and a decoder that needs more to decode than a model
-    (`Decoder.decode_settings`: aggressive's drafter) gets nothing more here: both refused here,
-    before any work."""
+    neither, the row has no model to decode: refused here, before any work."""
     name = cfg.decoder.name
-    settings = decoder_class(name).decode_settings
-    if settings:
-        raise ConfigError(f"decoder {name} needs {settings} to decode, which tasks.compare does not "
-                          f"load: decode a sequential checkpoint with it, python -m tasks.test --ckpt "
-                          f"SEQUENTIAL_CKPT decoder={name} {settings}")
     if not (has_sequential or loaded):
         raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model, and "
                           f"this comparison gives it none: add sequential to --decoders (it then "
@@ -188,17 +181,39 @@ def decodes_sequential_row(cfg: DictConfig, has_sequential: bool, loaded: bool) 
     return not loaded
 
 
+def check_drafters(planned: list[tuple[DictConfig, list[str]]], user_set) -> None:
+    """A decoder that drafts with another decoder's model (`Decoder.drafts_with`: aggressive with
+    nar's) drafts, in a comparison, with the tested checkpoint of that decoder's row (the first such
+    row, where a sweep makes several): the plan must have one, and `decoder.drafter` is the
+    comparison's to set, not the user's (`user_set(key)`). Refused here, before any work."""
+    names = {cfg.decoder.name for cfg, _ in planned}
+    for cfg, _ in planned:
+        name, drafts_with = cfg.decoder.name, decoder_class(cfg.decoder.name).drafts_with
+        if drafts_with is None:
+            continue
+        reuse = f"--ckpt {drafts_with}={drafts_with.upper()}_CKPT reuses a trained one"
+        if user_set("decoder.drafter"):
+            raise ConfigError(f"decoder.drafter: in tasks.compare decoder {name} drafts with the "
+                              f"{drafts_with} row's model; add {drafts_with} to --decoders ({reuse}) "
+                              f"instead of setting decoder.drafter")
+        if drafts_with not in names:
+            raise ConfigError(f"decoder {name} drafts with a {drafts_with} model, and this comparison "
+                              f"has none: add {drafts_with} to --decoders (its row's model then "
+                              f"drafts; {reuse})")
+
+
 def training_label(cfg: DictConfig, from_sequential: bool, loaded: bool) -> str:
     """How a row's model was trained, for the table: `checkpoint` (--ckpt), `own` (from scratch),
     `joint` (from scratch, by a decoder that could have built on a sequential model instead:
     blockwise's base head trained with its heads), `none: sequential model` (a decoder that trains
-    nothing, on the sequential row's model), else where its backbone came from and whether it
+    nothing, on the sequential row's model; aggressive adds its drafter), else where its backbone came from and whether it
     stayed frozen."""
     if loaded:
         return "checkpoint"
     kind = decoder_class(cfg.decoder.name)
     if kind.trains_nothing:
-        return "none: sequential model"
+        drafter = f", {kind.drafts_with} row's drafter" if kind.drafts_with else ""
+        return f"none: sequential model{drafter}"
     if not from_sequential and cfg.train.init_from is None:
         return "joint" if kind.builds_on_sequential else "own"
     source = "sequential backbone" if from_sequential else "train.init_from backbone"

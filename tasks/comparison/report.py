@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from decoders import decoder_class
 from tasks.comparison.measure import reference_calls_per_example, trained_parameters
 from tasks.comparison.plan import Row, row_label
 from tasks.module import TASK_MODULES
@@ -80,6 +81,8 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
             "tokens_per_call": row.telemetry.get("tokens_per_call"),
             "bound_hits": hits, "bound_hit_fraction": hits / examples if examples else None,
             "peak_memory_mb": row.speed["peak_memory_mb"],
+            "inexact": decoder_class(row.cfg.decoder.name).inexact(row.options),
+            "drafts": draft_figures(row.telemetry, calls * examples if calls else 0),
             "mlflow_run_id": row.logger.run_id,
         }
         if reference is not None:
@@ -97,6 +100,24 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
                   "rows": out_rows})
 
 
+# the draft-and-verify decoders' counters (`stats`, summed over the test split) a comparison reports
+# per decoder call: draft tokens offered and accepted (lookup, aggressive), calls whose draft was cut
+# where the model wrote a separator (lookup), rows drafted again (aggressive)
+DRAFT_COUNTERS = ("draft_tokens_offered", "draft_tokens_accepted", "drafts_cut_at_separator", "redrafts")
+
+
+def draft_figures(telemetry: dict, calls: float) -> dict | None:
+    """A row's draft counters per decoder call, and the share of offered draft tokens accepted;
+    None for a decoder that reports none."""
+    if calls == 0 or "draft_tokens_offered" not in telemetry:
+        return None
+    figures = {f"{name}_per_call": telemetry[name] / calls for name in DRAFT_COUNTERS
+               if name in telemetry}
+    offered = telemetry["draft_tokens_offered"]
+    figures["accepted_share"] = telemetry["draft_tokens_accepted"] / offered if offered else None
+    return figures
+
+
 def data_name(data: str) -> str:
     """How a table names its data: a source by its name, a JSONL folder by its own name (where
     it lay on the machine that measured is no concern of the reader's)."""
@@ -104,8 +125,11 @@ def data_name(data: str) -> str:
 
 
 def shown_label(entry: dict) -> str:
-    """A row's label as tables and plots show it: marked when its model did not learn (`judge`)."""
-    return f"{entry['label']} (not learned)" if entry.get("not_learned") else entry["label"]
+    """A row's label as tables and plots show it: marked when its options relax exact verification
+    (`Decoder.inexact`) and when its model did not learn (`judge`)."""
+    marks = [mark for mark, on in (("inexact", entry.get("inexact")),
+                                   ("not learned", entry.get("not_learned"))) if on]
+    return entry["label"] + "".join(f" ({mark})" for mark in marks)
 
 
 def shown_quality(result: dict) -> list[str]:
@@ -165,8 +189,28 @@ def markdown(result: dict) -> str:
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
         notes.append("- speedups are ratios to sequential's speed, which is not a decoder's here: "
                      "none is given")
+    if any(r.get("inexact") for r in result["rows"]):
+        notes.append("- inexact: top-k acceptance (top_k > 1) keeps draft tokens the model would not "
+                     "have chosen; its output is no longer the model's greedy output")
     table = caption + "\n\n" + "\n".join(lines) + "\n"
-    return table + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    return table + drafts_table(result) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def drafts_table(result: dict) -> str:
+    """The draft counters per decoder call (`draft_figures`) of the rows that report them, or ""."""
+    drafted = [r for r in result["rows"] if r.get("drafts")]
+    if not drafted:
+        return ""
+    lines = ["| decoder | tokens/call | draft tokens offered/call | accepted/call | accepted share | "
+             "cut at a separator/call | re-drafts/call |", "|" + "---|" * 7]
+    for r in drafted:
+        d = r["drafts"]
+        cells = [shown_label(r), r["tokens_per_call"], d["draft_tokens_offered_per_call"],
+                 d["draft_tokens_accepted_per_call"], d["accepted_share"],
+                 d.get("drafts_cut_at_separator_per_call"), d.get("redrafts_per_call")]
+        lines.append("| " + " | ".join([cells[0]] + ["–" if v is None else f"{v:.2f}"
+                                                     for v in cells[1:]]) + " |")
+    return "\nDrafts, per decoder call over the test split:\n\n" + "\n".join(lines) + "\n"
 
 
 def pyplot():

@@ -130,13 +130,14 @@ def check_something_to_train(cfg: DictConfig) -> None:
     name = cfg.decoder.name
     kind = decoder_class(name)
     if kind.trains_nothing:
-        settings = kind.decode_settings
-        compared = ("" if settings else f", or compare it with the model of a sequential row "
-                                        f"(python -m tasks.compare --decoders sequential,{name})")
+        drafter, compared = "", f"sequential,{name}"
+        if kind.drafts_with:
+            drafter = f" decoder.drafter={kind.drafts_with.upper()}_CKPT"
+            compared = f"sequential,{kind.drafts_with},{name}"
         raise ConfigError(f"decoder {name} trains nothing: it decodes a trained sequential model as it "
                           f"is. Decode a sequential checkpoint with it (python -m tasks.test --ckpt "
-                          f"SEQUENTIAL_CKPT decoder={name}{' ' + settings if settings else ''})"
-                          f"{compared}")
+                          f"SEQUENTIAL_CKPT decoder={name}{drafter}), or compare it with the model "
+                          f"of a sequential row (python -m tasks.compare --decoders {compared})")
 
 
 def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | None = None,
