@@ -10,6 +10,7 @@ import torch
 
 from decoders import build_decoder, decoder_class
 from decoders.base import Decoder
+from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
 from tests.conftest import SPECIAL, VOCAB, first_batch_where, random_batch, tiny_t5
@@ -57,24 +58,12 @@ class Replay:
     past_end: bool = False  # a draft ran past the output's end: the model decides more acceptance
 
 
-def draft_of(source: list[int], produced: list[int], draft_tokens: int, match: int) -> list[int]:
-    """The lookup rule, plainly: the source tokens after the latest occurrence of the last `match`
-    produced tokens that is followed by at least one source token."""
-    if len(produced) < match:
-        return []
-    last = produced[-match:]
-    for start in reversed(range(len(source) - match)):
-        if source[start:start + match] == last:
-            return source[start + match: start + match + draft_tokens]
-    return []
-
-
 def lookup_replay(source: list[int], output: list[int], draft_tokens: int, match: int) -> Replay:
     """The calls and counters of lookup decoding a row whose greedy output is `output` (up to its
     end token or bound): a draft token is accepted exactly where it is the greedy token."""
     replay, produced = Replay(), 1
     while produced < len(output):
-        draft = draft_of(source, output[:produced], draft_tokens, match)
+        draft = lookup_draft(source, output[:produced], draft_tokens, match)
         accepted = 0
         while (accepted < len(draft) and produced + accepted < len(output)
                and draft[accepted] == output[produced + accepted]):
