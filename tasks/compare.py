@@ -108,10 +108,10 @@ def plan_rows(args: argparse.Namespace) -> tuple[PlannedRows, list[bool], dict[s
 
 def print_plan(planned: PlannedRows, starts: list[bool]) -> None:
     for (cfg, _), start in zip(planned, starts):
-        drafts_with = decoder_class(cfg.decoder.name).drafts_with
-        if drafts_with:
-            print(f"# decoder.drafter: the {drafts_with} row's checkpoint, once trained or loaded")
-        if start and decoder_class(cfg.decoder.name).trains_nothing:
+        kind = decoder_class(cfg.decoder.name)
+        if kind.drafts_with:
+            print(f"# decoder.drafter: the {kind.drafts_with} row's checkpoint, once trained or loaded")
+        if start and kind.trains_nothing:
             print("# decodes the sequential row's model, once trained or loaded")
         elif start:
             print("# train.init_from: the sequential row's checkpoint, once trained or loaded")

@@ -77,7 +77,7 @@ def replayed_calls(subsequences: list[list[int]], source: list[int], delay: int,
             # predictions at positions n .. n + accepted, times i*d + n ..: all within the frontier
             accepted = min(agree, frontier - (i * delay + n))
             fed += 1 + len(draft)
-            produced[i] = min(len(tokens), n + accepted + 1)
+            produced[i] = n + accepted + 1   # agree stops before the last token: within its tokens
             frontier = min(frontier, i * delay + n + accepted)
     return calls, fed
 

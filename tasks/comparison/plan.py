@@ -206,8 +206,8 @@ def training_label(cfg: DictConfig, from_sequential: bool, loaded: bool) -> str:
     """How a row's model was trained, for the table: `checkpoint` (--ckpt), `own` (from scratch),
     `joint` (from scratch, by a decoder that could have built on a sequential model instead:
     blockwise's base head trained with its heads), `none: sequential model` (a decoder that trains
-    nothing, on the sequential row's model; aggressive adds its drafter), else where its backbone came from and whether it
-    stayed frozen."""
+    nothing, on the sequential row's model; aggressive adds its drafter), else where its backbone
+    came from and whether it stayed frozen."""
     if loaded:
         return "checkpoint"
     kind = decoder_class(cfg.decoder.name)
