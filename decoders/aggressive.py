@@ -20,8 +20,9 @@ With `top_k` = 1 the output is exactly sequential greedy decoding of the verifie
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
 the verifier's top-k tokens there): faster, no longer exact.
 
-Host syncs: besides the loop's one per verifier call, one per call to decide which rows re-draft (and
-the re-draft's shapes), and the drafter's own encoder and length read-back once per decode.
+Host syncs: the loop's one per verifier call, which also reads back which rows re-draft and the
+shapes of their pass (`after_call`), and the drafter's own encoder and length read-back once per
+decode.
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
 accepted, the rows re-drafted and the drafter's decoder passes (first draft and re-drafts) are
 reported beside them.
@@ -124,15 +125,31 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         return Drafts(nar_states, cross_attention_mask(attention_mask, nar_states.dtype), padded,
                       lengths, offered=zero, accepted=zero, passes=max(passes))
 
-    def draft(self, model, state: Drafts, verified: Verified):
-        examples = verified.origin.view(-1)                           # (live,)
-        count, m = verified.count, self.draft_tokens
+    def after_call(self, state: Drafts, verified: Verified) -> torch.Tensor:
+        """Count the call's verified drafts, and decide which rows need drafting again (module
+        docstring): (3, live) whether a row does, its count and its draft's length, read back with
+        the loop's one host sync."""
         # the call just made verified the drafts it fed (none at the first call); drafts made
         # after a row's last call are never fed, so they are counted here, when fed, not when made
         if verified.offered is not None:
             state.offered = state.offered + verified.offered.sum()
         state.accepted = state.accepted + verified.accepted.sum()
-        self.redraft(state, verified)
+        examples, count = verified.origin.view(-1), verified.count
+        lengths = state.lengths[examples]                             # (live,)
+        columns = state.tokens.size(1)
+        last = (count - 1).clamp(max=columns - 1)                    # the verifier's own token's index
+        disagrees = (count - 1 < lengths) & (state.tokens[examples, last] != verified.next_token.view(-1))
+        # rows that are done are dropped before drafting, so this need not know which those are
+        needed = (disagrees | (count >= lengths)) & (count < columns)
+        return torch.stack([needed.long(), count, lengths])
+
+    def draft(self, model, state: Drafts, verified: Verified, host: list[list[int]]):
+        needed, count_host, lengths_host = host
+        rows = [row for row, need in enumerate(needed) if need]
+        if rows:
+            self.redraft(state, verified, rows, [count_host[row] for row in rows],
+                         [lengths_host[row] for row in rows])
+        examples, count, m = verified.origin.view(-1), verified.count, self.draft_tokens
         lengths = state.lengths[examples]                             # (live,)
         # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
         # verifier's own, sits at count - 1); indices past the draft are filler, never offered
@@ -142,41 +159,27 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         offered = (lengths - count).clamp(0, m)
         return drafts, offered
 
-    def redraft(self, state: Drafts, verified: Verified) -> None:
-        """Draft again, with the verified prefix given, every row that goes on and whose draft
-        disagrees with the verifier's own token or has run out (module docstring)."""
+    def redraft(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
+                lengths: list[int]) -> None:
+        """Draft again, with the verified prefix given, the live `rows`, whose counts are `given`
+        and whose drafts have `lengths` tokens: at the same length where the draft disagrees, and
+        `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out."""
         nar, nar_model = self.drafter_parts()
-        examples, count = verified.origin.view(-1), verified.count
-        lengths = state.lengths[examples]
         columns = state.tokens.size(1)
-        last = (count - 1).clamp(max=columns - 1)                    # the verifier's own token's index
-        drafted_there = state.tokens[examples, last]
-        disagrees = (count - 1 < lengths) & (drafted_there != verified.next_token.view(-1))
-        ran_out = count >= lengths
-        produced = verified.produced[examples]                        # (live, columns of the loop)
-        in_prefix = torch.arange(produced.size(1), device=count.device) < count[:, None]
-        ended = ((produced == self.special.eos) & in_prefix).any(1)
-        goes_on = ~ended & (count < self.max_new_tokens) & (count < columns)
-        needed = goes_on & (disagrees | ran_out)
-        # the one read of the call's re-draft decision: which rows, and the shapes of their pass
-        needed_host, count_host, lengths_host = torch.stack([needed.long(), count, lengths]).tolist()
-        rows = [row for row, need in enumerate(needed_host) if need]
-        if not rows:
-            return
-        given = [count_host[row] for row in rows]
-        new_lengths = [lengths_host[row] if count_host[row] < lengths_host[row]
-                       else min(columns, count_host[row] + self.draft_tokens) for row in rows]
+        new_lengths = [length if prefix < length else min(columns, prefix + self.draft_tokens)
+                       for prefix, length in zip(given, lengths)]
         passes = max(mask_predict_passes(length - prefix, nar.iterations)
                      for prefix, length in zip(given, new_lengths))
         width = max(new_lengths)
-        device = count.device
+        device = verified.count.device
         rows_t = torch.tensor(rows, device=device)
-        redrafted = examples[rows_t]
-        given_t = count[rows_t]
+        redrafted = verified.origin.view(-1)[rows_t]
+        given_t = verified.count[rows_t]
         lengths_t = torch.tensor(new_lengths, device=device)
         positions = torch.arange(width, device=device)[None, :]
         # the verified prefix lies within the loop's columns (a row that goes on has count < bound)
-        prefix_tokens = F.pad(produced[rows_t, :width], (0, max(0, width - produced.size(1))))
+        produced = verified.produced[redrafted]                       # (rows, columns of the loop)
+        prefix_tokens = F.pad(produced[:, :width], (0, max(0, width - produced.size(1))))
         decoder_input = torch.where(positions < given_t[:, None], prefix_tokens,
                                     torch.where(positions < lengths_t[:, None], self.special.mask,
                                                 self.special.pad))

@@ -131,7 +131,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder):
         """The heads' weights stacked once per decode, so that all k-1 heads run as one matmul each."""
         return self.stacked_head_weights()
 
-    def draft(self, model, state, verified):
+    def draft(self, model, state, verified, host):
         return self.proposal_logits(model, verified.hidden, state).argmax(-1), None
 
 

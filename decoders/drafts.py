@@ -13,9 +13,11 @@ feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's
 (Stern et al., Section 5: faster, no longer exact).
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
-`max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end;
-the host decides from them which rows are done and drops them (`LiveRows`). A row that goes on kept
-its whole accepted prefix plus one, so its new count is n_r + accepted + 1, computed on the device.
+`max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end,
+with whatever the drafter needs on the host (`after_call`: aggressive's re-draft decision); the host
+decides from them which rows are done and drops them (`LiveRows`), and only then are the rows that go
+on drafted for the next call. A row that goes on kept its whole accepted prefix plus one, so its new
+count is n_r + accepted + 1, computed on the device.
 
 Cache (`RowSlots`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
@@ -25,7 +27,8 @@ nothing is ever gathered, compacted or cropped: a call attends to slots 0 .. max
 bias (T5's relative bias of query position - slot, gathered from one table) hides what a row must
 not see.
 
-Host syncs: one per call, plus the final read-back of the outputs (and of a drafter's counters).
+Host syncs: one per call, plus the final read-back of the outputs (and of a drafter's counters), plus
+what a drafter reads once per decode (aggressive's drafter: its encoder and its first draft's lengths).
 """
 from __future__ import annotations
 
@@ -178,10 +181,20 @@ class DraftAndVerifyDecoder(Decoder):
         """Per-decode state of the drafter (None by default), passed to every `draft` call."""
         return None
 
+    def after_call(self, state: Any, verified: Verified) -> torch.Tensor | None:
+        """What the drafter does with a call's outcome, for every row of the call, before the call's
+        host sync: count what it verified, and return (j, live) longs that the next `draft` needs on
+        the host (its shapes, which rows to draft again), read back with that one sync; None (the
+        default) when it needs none."""
+        return None
+
     @abc.abstractmethod
-    def draft(self, model, state: Any, verified: Verified) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next call's drafts: (live, m) tokens, and (live,) how many of them are offered (the
-        rest are filler that is never accepted), or None when all m are."""
+    def draft(self, model, state: Any, verified: Verified,
+              host: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next call's drafts for the rows that go on (`verified` holds only those; `host`, the
+        same rows' columns of what `after_call` returned, as j lists): (live, m) tokens, and (live,)
+        how many of them are offered (the rest are filler that is never accepted), or None when all
+        m are."""
         raise NotImplementedError
 
     def draft_counters(self, state: Any) -> dict[str, torch.Tensor]:
@@ -252,12 +265,14 @@ class DraftAndVerifyDecoder(Decoder):
             first_end = torch.where(tokens == end, offsets, no_end).amin(dim=1)     # (live,)
             next_token = greedy.gather(1, accepted[:, None])         # (live, 1)
             count = count + accepted + 1                             # right for every row that goes on
-            verified = Verified(hidden[row_index, accepted], next_token, count, accepted, offered, origin,
-                                produced)
-            drafts, offered = self.draft(model, drafts_state, verified)
+            last_hidden = hidden[row_index, accepted]                # (live, d_model)
+            needs = self.after_call(drafts_state, Verified(last_hidden, next_token, count, accepted,
+                                                           offered, origin, produced))
 
-            # the one host sync of the call
-            accepted_host, first_end_host = rows.read(torch.stack([accepted, first_end]))
+            # the one host sync of the call, the drafter's needs included
+            settled = torch.stack([accepted, first_end])             # (2, live)
+            accepted_host, first_end_host, *needs_host = rows.read(
+                settled if needs is None else torch.cat([settled, needs]))
             done = []
             for b, example in enumerate(originals):
                 kept, ended = kept_tokens(accepted_host[b], first_end_host[b], bound - counts[b])
@@ -266,16 +281,21 @@ class DraftAndVerifyDecoder(Decoder):
                 if done[-1]:
                     final_counts[example], calls[example] = counts[b], batch_calls
             kept_rows = rows.drop(done, cache, encoder_states, cross_mask, count, origin, next_token,
-                                  drafts, *([] if offered is None else [offered]))
+                                  last_hidden, accepted, *([] if offered is None else [offered]))
             if kept_rows is None:
                 break
-            encoder_states, cross_mask, count, origin, next_token, drafts, *rest = kept_rows
-            offered = rest[0] if rest else None
+            encoder_states, cross_mask, count, origin, next_token, last_hidden, accepted, *rest = kept_rows
             originals = [originals[b] for b in rows.kept]
             counts = [counts[b] for b in rows.kept]
             if len(rows.kept) < len(done):
                 row_index = row_index[: len(rows.kept)]
                 writes.rows = row_index[:, None]
+            # drafted after the sync, for the rows that go on only, with the host values they need
+            verified = Verified(last_hidden, next_token, count, accepted, rest[0] if rest else None,
+                                origin, produced)
+            drafts, offered = self.draft(model, drafts_state, verified,
+                                         [[column[b] for b in rows.kept] for column in needs_host]
+                                         if needs is not None else None)
             fed = torch.cat([next_token, drafts], dim=1)             # (live, k)
 
         counters = self.draft_counters(drafts_state)

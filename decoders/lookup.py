@@ -106,8 +106,7 @@ class LookupDecoder(DraftAndVerifyDecoder):
                             torch.arange(-n, 0, device=device),
                             torch.zeros(len(COUNTER_NAMES), dtype=torch.long, device=device))
 
-    def draft(self, model, state: SourceLookup, verified: Verified):
-        self.count_verified(state, verified)
+    def draft(self, model, state: SourceLookup, verified: Verified, host):
         example = verified.origin.view(-1)                                   # (live,)
         # each row's last `match` output tokens, the model's newest one last
         last_indices = (verified.count.view(-1, 1) + state.last_offsets).clamp(min=0)  # (live, match)
@@ -119,9 +118,9 @@ class LookupDecoder(DraftAndVerifyDecoder):
         latest = torch.where(hits, state.window_index, -1).amax(dim=1)       # (live,)
         return state.continuations[example, latest], state.offered[example, latest]  # (live, m), (live,)
 
-    def count_verified(self, state: SourceLookup, verified: Verified) -> None:
+    def after_call(self, state: SourceLookup, verified: Verified) -> None:
         """Add the call's verified drafts to the counters (nothing at the first call, which fed
-        none)."""
+        none); drafting needs nothing on the host."""
         fed = verified.offered                                               # (live,) or None
         if fed is None:
             return
