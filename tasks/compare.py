@@ -16,8 +16,9 @@ before any work); its row is scored under the comparison's settings like every o
 is measured for all of them in this one process, with the same thread count, after a warm-up,
 interleaving the decoders and taking the median of `--repeats` passes: examples per second at batch
 size 1 and at `eval.batch_size`, timing only `generate` (encoder + decoder calls) on batches
-prepared beforehand. Timing runs on the device the trainer settings give (`trainer.accelerator`,
-`trainer.devices`), with denormal floats flushed to zero on a CPU. Peak memory is taken in a
+prepared beforehand. Timing runs on the device and in the precision the trainer settings give
+(`trainer.accelerator`, `trainer.devices`, `trainer.precision`), as the rows' tests decoded, with
+denormal floats flushed to zero on a CPU. Peak memory is taken in a
 separate pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every
 millisecond), over its level before the decode. The device and the flushing are recorded with the
 results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
@@ -60,7 +61,7 @@ from tasks.run import base_parser, log, main_guard, write_report
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
                                  open_tracking, run_link, run_status)
-from tasks.runs.trainer import Built, decode_device, decoder_options, score_into_run, train_and_test
+from tasks.runs.trainer import Built, decode_target, decoder_options, score_into_run, train_and_test
 from tasks.test import attach_drafter, restore, tokenizer_identity
 
 # `plan`'s rows: each one's resolved configuration and the decoder options its sweep set.
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = load_checkpoints(planned, checkpoints)
     # the rows differ in decoder options only: one check of the other settings holds for all
     cfg = planned[0][0]
-    device = decode_device(cfg)
+    target = decode_target(cfg)
     check_tracking(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     with run_status(comparison, watcher):
         tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
         rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher])
-        timing = measure_speed(rows, device, cfg.eval.batch_size, args.repeats, args.speed_examples)
+        timing = measure_speed(rows, target, cfg.eval.batch_size, args.repeats, args.speed_examples)
         result = report(rows, cfg, torch.get_num_threads(), timing)
         conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
         log_speeds(rows, result, conditions)

@@ -185,10 +185,9 @@ class GenerationTask(BackboneTraining):
                          desc: str) -> list[dict]:
         """`records`, in order, with their target field replaced by the decoder's outputs:
         `batches` (the data module's batches of `records`, `index` their positions) decoded on
-        `device` outside a trainer, which would move the module and the batches itself. A progress
-        bar `desc` on stderr shows when there is more than one batch."""
-        self.to(device)
-        self.eval()
+        `device` outside a trainer (`tasks.runs.trainer.DecodeTarget.predict` places the module
+        there and opens its precision's context). A progress bar `desc` on stderr shows when there
+        is more than one batch."""
         field = schema_for(self.cfg.task.name).target_field
         outputs: dict[int, list[str]] = {}
         with torch.no_grad():

@@ -29,7 +29,7 @@ from tasks.config import ConfigError, to_yaml
 from tasks.module import dump_jsonl, write_jsonl
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.trainer import decode_device
+from tasks.runs.trainer import decode_target
 from tasks.test import checkpoint_config, restore_module
 
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(to_yaml(cfg))
         return {}
 
-    device = decode_device(cfg)
+    target = decode_target(cfg)
     records = read_inputs(args.input, cfg.task.name)
     if args.out:
         usable_folder(Path(args.out).parent, "--out's folder", ConfigError)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     examples = [Encoded(index, source, []) for index, source in enumerate(sources)]
     size, pad = cfg.eval.batch_size, module.tokenizer.pad_token_id
     batches = [collate(examples[start:start + size], pad) for start in range(0, len(examples), size)]
-    predicted = module.with_predictions(records, batches, device, "predicting")
+    predicted = target.predict(module, records, batches, "predicting")
     if args.out:
         write_jsonl(predicted, args.out)
         log.info("wrote %d records to %s", len(predicted), args.out)

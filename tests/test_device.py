@@ -1,5 +1,6 @@
-"""Decoding outside a trainer (tasks.compare's timing, tasks.experiments.distill) runs on the configured device,
-which the results record; CPU timing flushes denormal floats.
+"""Decoding outside a trainer (tasks.predict, tasks.compare's timing, tasks.experiments.distill) runs on
+the configured device, which the results record, and in the configured precision; CPU timing flushes
+denormal floats.
 
 No GPU is needed: `meta`, a device other than the CPU, stands in for the resolved accelerator, and a
 recording `timed_generate` notes where each decode's model and inputs are."""
@@ -7,15 +8,17 @@ import json
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from mlflow.tracking import MlflowClient
 
 import tasks.module
 from tasks import compare
 from tasks.comparison import measure
 from tasks.experiments import distill
+from tasks import predict
 from tasks.config import ConfigError, compose
 from tasks.runs.tracking import open_tracking
-from tasks.runs.trainer import Trained, build, decode_device, make_trainer, score_into_run
+from tasks.runs.trainer import DecodeTarget, Trained, build, decode_target, make_trainer, score_into_run
 from tests.test_end_to_end import TINY, tracking
 
 META = torch.device("meta")
@@ -70,7 +73,7 @@ def comparison_and_row_params(tmp_path, result) -> tuple[dict, dict]:
 
 def test_compare_times_on_the_resolved_device_and_reports_it(tmp_path, monkeypatch):
     # raising=False: code that never resolves a device must fail on the assertions, not here
-    monkeypatch.setattr(compare, "decode_device", lambda cfg: META, raising=False)
+    monkeypatch.setattr(compare, "decode_target", lambda cfg: DecodeTarget(META, Precision()), raising=False)
     result, decodes = untrained_comparison(tmp_path, monkeypatch)
 
     assert decodes.seen and all(seen[:3] == (META, META, META) for seen in decodes.seen)
@@ -102,14 +105,19 @@ class FirstDecode(Exception):
     """Stops tasks.experiments.distill at its first decode: where that runs is all the test needs."""
 
 
-def test_distill_decodes_on_the_resolved_device(tmp_path, monkeypatch):
+def saved_untrained(tmp_path) -> str:
+    """A checkpoint of an untrained tiny keyphrase model, as tasks.fit writes one."""
     cfg = compose("keyphrase", "sequential", None, [*TINY, *tracking(tmp_path)])
     built = build(cfg)
     trainer = make_trainer(cfg, None)
     trainer.test(built.module, datamodule=built.datamodule, verbose=False)
-    teacher = tmp_path / "teacher.ckpt"
-    trainer.save_checkpoint(teacher)
+    path = tmp_path / "teacher.ckpt"
+    trainer.save_checkpoint(path)
+    return str(path)
 
+
+def test_distill_decodes_on_the_resolved_device(tmp_path, monkeypatch):
+    teacher = saved_untrained(tmp_path)
     seen = []
 
     def recording(decoder, model, input_ids, attention_mask):
@@ -117,18 +125,39 @@ def test_distill_decodes_on_the_resolved_device(tmp_path, monkeypatch):
         raise FirstDecode
 
     monkeypatch.setattr(tasks.module, "timed_generate", recording)
-    monkeypatch.setattr(distill, "decode_device", lambda cfg: META, raising=False)
+    monkeypatch.setattr(distill, "decode_target", lambda cfg: DecodeTarget(META, Precision()), raising=False)
     with pytest.raises(FirstDecode):
-        distill.main(["--ckpt", str(teacher), "--out", str(tmp_path / "distilled"), *tracking(tmp_path)])
+        distill.main(["--ckpt", teacher, "--out", str(tmp_path / "distilled"), *tracking(tmp_path)])
     assert seen == [(META, META, META)]
+
+
+@pytest.mark.parametrize("precision, weights, autocast", [
+    ("32-true", torch.float32, False), ("64-true", torch.float64, False),
+    ("bf16-mixed", torch.float32, True), ("bf16-true", torch.bfloat16, False)])
+def test_predict_decodes_in_the_configured_precision(precision, weights, autocast, tmp_path,
+                                                     monkeypatch):
+    checkpoint = saved_untrained(tmp_path)
+    records = tmp_path / "new.jsonl"
+    records.write_text(json.dumps({"title": "a title", "abstract": "an abstract"}) + "\n")
+    seen = []
+
+    def recording(decoder, model, input_ids, attention_mask):
+        seen.append((next(model.parameters()).dtype, torch.is_autocast_enabled("cpu")))
+        raise FirstDecode
+
+    monkeypatch.setattr(tasks.module, "timed_generate", recording)
+    with pytest.raises(FirstDecode):
+        predict.main(["--ckpt", checkpoint, "--input", str(records), "trainer.accelerator=cpu",
+                      f"trainer.precision={precision}"])
+    assert seen == [(weights, autocast)]
 
 
 def test_decode_device_follows_the_trainer_settings():
     default = compose("keyphrase", "sequential", None, [])  # trainer.accelerator=auto
     expected = "cuda:0" if torch.cuda.is_available() else "mps:0" if torch.backends.mps.is_available() \
         else "cpu"
-    assert str(decode_device(default)) == expected
-    assert decode_device(compose("keyphrase", "sequential", None, ["trainer.accelerator=cpu"])) \
+    assert str(decode_target(default).device) == expected
+    assert decode_target(compose("keyphrase", "sequential", None, ["trainer.accelerator=cpu"])).device \
         == torch.device("cpu")
 
 
@@ -137,7 +166,7 @@ def test_an_unavailable_accelerator_is_refused_before_any_work(monkeypatch):
     cfg = compose("keyphrase", "sequential", None, ["trainer.accelerator=gpu"])
     with pytest.raises(ConfigError, match=r"trainer.accelerator='gpu' with trainer.devices=1 cannot "
                                           r"run here: .*accelerators available here: auto, cpu\)"):
-        decode_device(cfg)
+        decode_target(cfg)
 
     def no_training(*args, **kwargs):
         raise AssertionError("trained although the accelerator is unavailable")

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from tasks.comparison.plan import Row
 from tasks.module import GenerationTask, timed_generate
+from tasks.runs.trainer import DecodeTarget
 
 
 class _MallInfo2(ctypes.Structure):
@@ -103,12 +104,14 @@ def time_row(row: Row, batch: dict) -> float:
     return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
 
 
-def measure_speed(rows: list[Row], device: torch.device, batch_size: int, repeats: int,
+def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeats: int,
                   limit: int | None) -> dict:
-    """Interleaved, warmed-up timing of every row on `device`, on the same prepared batches.
+    """Interleaved, warmed-up timing of every row on the `target` device and in its precision, on
+    the same prepared batches.
 
     Returns the conditions of the timing: the device the modules' parameters were on while timed
     and whether denormals were flushed."""
+    device = target.device
     datamodule = rows[0].datamodule
     examples = datamodule.dataset("test").examples[:limit]
     # moved to the device beforehand, so that the copies are not timed
@@ -116,12 +119,10 @@ def measure_speed(rows: list[Row], device: torch.device, batch_size: int, repeat
     batches = [move_data_to_device(datamodule.collate(examples[i:i + batch_size]), device)
                for i in range(0, len(examples), batch_size)]
     for row in rows:
-        # Lightning's test teardown left the module on the CPU, whatever the trainer ran on
-        row.module.to(device)
-        row.module.eval()
+        target.place(row.module)
     single_runs = {id(r): [] for r in rows}
     batch_runs = {id(r): [] for r in rows}
-    with flushed_denormals(device) as flushed, torch.inference_mode():
+    with flushed_denormals(device) as flushed, torch.inference_mode(), target.context():
         for row in rows:
             for batch in singles[:3] + batches[:1]:
                 time_row(row, batch)

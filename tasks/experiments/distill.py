@@ -24,16 +24,15 @@ from tasks.config import ConfigError, to_yaml
 from tasks.module import write_jsonl
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.trainer import decode_device
+from tasks.runs.trainer import DecodeTarget, decode_target
 from tasks.test import checkpoint_config, restore
 
 
-def distilled_records(built, device: torch.device) -> list[dict]:
+def distilled_records(built, target: DecodeTarget) -> list[dict]:
     """The training records, in order, with their targets replaced by the model's outputs decoded
-    on `device`."""
-    return built.module.with_predictions(built.datamodule.records("train"),
-                                         built.datamodule.ordered_loader("train"), device,
-                                         "decoding the training split")
+    on `target`."""
+    return target.predict(built.module, built.datamodule.records("train"),
+                          built.datamodule.ordered_loader("train"), "decoding the training split")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -50,9 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(to_yaml(cfg))
         return {}
 
-    device = decode_device(cfg)  # before any data or model work: an unavailable one fails here
+    target = decode_target(cfg)  # before any data or model work: an unavailable one fails here
     built = restore(checkpoint, args.ckpt, cfg)
-    train = distilled_records(built, device)
+    train = distilled_records(built, target)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(train, out / "train.jsonl")
     for split in ("validation", "test"):

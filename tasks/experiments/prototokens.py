@@ -59,7 +59,7 @@ from tasks.config import ConfigError, to_yaml
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_link, run_status
-from tasks.runs.trainer import decode_device
+from tasks.runs.trainer import decode_target
 from tasks.test import checkpoint_config, restore
 
 # position (W,) -> (W,) True where the input is e, False where it is m
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(to_yaml(cfg))
         return {}
     started = time.perf_counter()
-    device = decode_device(cfg)
+    device = decode_target(cfg).device
     logger = open_tracking(cfg, f"prototokens {cfg.model.name} {cfg.data.source}",
                            tags={"role": "prototokens", "checkpoint": args.ckpt})  # fails here if unusable
     built = restore(checkpoint, args.ckpt, cfg)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ContextManager
 
 import lightning as L
 import torch
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
@@ -84,13 +86,39 @@ def check_trainer(cfg: DictConfig) -> L.Trainer:
                           f"here: auto, {', '.join(available)})") from err
 
 
-def decode_device(cfg: DictConfig) -> torch.device:
-    """The device the configured trainer (`trainer.accelerator`, `trainer.devices`) runs on, its
-    first process's under DDP: where entry points that decode outside a trainer (tasks.compare's
-    timing, tasks.experiments.distill) decode. Lightning's test teardown moves the module back to the CPU, so
-    they move it there themselves. Asking Lightning keeps its choice (auto, gpu, device ids) and
-    its checks (`check_trainer`)."""
-    return check_trainer(cfg).strategy.root_device
+@dataclass(frozen=True)
+class DecodeTarget:
+    """Where and how entry points that decode outside a trainer (tasks.predict, tasks.compare's
+    timing, tasks.experiments.distill) decode, so that their decode is the one a trainer's test
+    makes: on the device the configured trainer runs on (`trainer.accelerator`, `trainer.devices`;
+    its first process's under DDP), in its precision (`trainer.precision`: bf16-mixed decodes under
+    autocast, 64-true and bf16-true convert the weights). Asking Lightning keeps its choices (auto,
+    gpu, device ids) and its checks (`check_trainer`)."""
+
+    device: torch.device
+    precision: Precision   # the trainer's precision plugin
+
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`module` moved to the device, converted to the precision (in place) and in eval mode.
+        Lightning's test teardown moves a module back to the CPU, so a decode after it places it
+        again."""
+        self.precision.convert_module(module.to(self.device))
+        return module.eval()
+
+    def context(self) -> ContextManager:
+        """The precision's context around every decode (autocast under the mixed precisions)."""
+        return self.precision.forward_context()
+
+    def predict(self, module: GenerationTask, records: list[dict], batches, desc: str) -> list[dict]:
+        """`module.with_predictions` of `records` (`batches` their batches), decoded here."""
+        self.place(module)
+        with self.context():
+            return module.with_predictions(records, batches, self.device, desc)
+
+
+def decode_target(cfg: DictConfig) -> DecodeTarget:
+    trainer = check_trainer(cfg)
+    return DecodeTarget(trainer.strategy.root_device, trainer.precision_plugin)
 
 
 def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built, callbacks=()) -> None:
