@@ -152,7 +152,7 @@ def test_predict_decodes_in_the_configured_precision(precision, weights, autocas
     assert seen == [(weights, autocast)]
 
 
-def test_decode_device_follows_the_trainer_settings():
+def test_decode_target_follows_the_trainer_settings():
     default = compose("keyphrase", "sequential", None, [])  # trainer.accelerator=auto
     expected = "cuda:0" if torch.cuda.is_available() else "mps:0" if torch.backends.mps.is_available() \
         else "cpu"
