@@ -145,7 +145,8 @@ def call_index_tables(heads: int, k: int, most_slots: int, device: torch.device)
 
 @dataclass
 class Verified:
-    """What a call settled, per live row, for the drafter of the next call."""
+    """What a call settled, per row, for the drafter: every row of the call in `after_call`, the
+    rows that go on in `draft`."""
 
     hidden: torch.Tensor      # (live, d_model) decoder state at the last accepted fed position
     next_token: torch.Tensor  # (live, 1) the model's own token after the accepted ones, fed first next
