@@ -48,8 +48,13 @@ def decoder_class(name: str) -> type[Decoder]:
     return _REGISTRY[name]
 
 
-def build_decoder(name: str, backbone_config, special: SpecialTokens, **options) -> Decoder:
-    return decoder_class(name)(backbone_config, special, **options)
+def build_decoder(name: str, backbone_config, special: SpecialTokens, compile: bool = False,
+                  **options) -> Decoder:
+    """Decoder `name` with its own `options`, and those every decoder shares
+    (`Decoder.shared_decode_options`): `compile` runs its calls' model step through torch.compile."""
+    decoder = decoder_class(name)(backbone_config, special, **options)
+    decoder.compiled_calls = bool(compile)
+    return decoder
 
 
 def _import_all_decoder_modules() -> None:

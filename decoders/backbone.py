@@ -2,6 +2,9 @@
 cache, and T5's decoder blocks run with a custom self-attention structure."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
@@ -130,3 +133,19 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
                        encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
                        past_key_values=cache)[0]
     return decoder.dropout(decoder.final_layer_norm(hidden))
+
+
+# Dynamo keeps one list of graphs for `run_decoder`: each model, cache kind (appending, per-row
+# slots) and shape specialisation (one row, one fed token) adds one, well past its default limit of
+# 8, beyond which it would run the function uncompiled.
+COMPILED_GRAPHS_LIMIT = 64
+
+
+@functools.cache
+def compiled_run_decoder() -> Callable[..., torch.Tensor]:
+    """`run_decoder` through torch.compile, made once per process: the same tokens, with Python
+    and per-op dispatch overhead removed and element-wise ops fused. Shapes are symbolic
+    (`dynamic=True`): a call's batch, fed tokens and cache length change from call to call. The
+    first calls of each new model or shape compile, which takes seconds to a minute."""
+    compiled = torch.compile(run_decoder, dynamic=True)
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)(compiled)

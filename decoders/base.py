@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
 from datamodules.vocabulary import Choice, Range, SpecialTokens
+from decoders.backbone import compiled_run_decoder, run_decoder
 
 
 @dataclass
@@ -74,6 +75,11 @@ class Decoder(nn.Module, abc.ABC):
     # tasks.test and tasks.predict load `decoder.drafter`; tasks.compare gives it the checkpoint of
     # that decoder's row.
     drafts_with: ClassVar[str | None] = None
+    # Options every decoder takes beside its own, all decode-only; `build_decoder` applies them:
+    # `compile` sets `compiled_calls`.
+    shared_decode_options: ClassVar[tuple[str, ...]] = ("compile",)
+    # Whether decoding runs each decoder call's model step through torch.compile (`model_step`).
+    compiled_calls: bool = False
 
     def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
         """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""
@@ -111,6 +117,14 @@ class Decoder(nn.Module, abc.ABC):
                  attention_mask: torch.Tensor) -> DecodeOutput:
         """Decode a batch of encoder inputs `(B, source_len)`."""
         raise NotImplementedError
+
+    def model_step(self) -> Callable[..., torch.Tensor]:
+        """What a decoding loop runs T5's decoder blocks with: `backbone.run_decoder`, through
+        torch.compile (`backbone.compiled_run_decoder`) when `compiled_calls` is set and no
+        gradient is recorded (training never compiles)."""
+        if self.compiled_calls and not torch.is_grad_enabled():
+            return compiled_run_decoder()
+        return run_decoder
 
     def trains_backbone(self) -> bool:
         """Whether training updates the backbone's weights; False when only the decoder's own

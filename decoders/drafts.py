@@ -40,8 +40,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from decoders.backbone import (cross_attention_mask, encode, output_logits,
-                               past_distance_bias_table, run_decoder)
+from decoders.backbone import cross_attention_mask, encode, output_logits, past_distance_bias_table
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import NOT_PRODUCED, LiveRows, read_back, split_flat_output
 
@@ -235,6 +234,7 @@ class DraftAndVerifyDecoder(Decoder):
         fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
         drafts = offered = None                                      # what fed holds after its first token
         batch_calls = 0
+        run = self.model_step()
         while True:
             queries = fed.size(1)
             offsets, distance_offsets, no_end = per_queries[queries]
@@ -244,7 +244,7 @@ class DraftAndVerifyDecoder(Decoder):
             writes.slots = count.view(-1, 1) + offsets                               # (live, Q) positions
             distance = count.view(-1, 1, 1, 1) + distance_offsets[..., : writes.width]  # (live, 1, Q, W)
             bias = table[head, distance]                                            # (live, heads, Q, W)
-            hidden = run_decoder(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
+            hidden = run(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
             batch_calls += 1
 
             logits = output_logits(model, hidden)                    # (live, Q, V)

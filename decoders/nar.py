@@ -196,8 +196,8 @@ class MaskPredictDecoder(Decoder):
         recomputes all positions, since their inputs change.
         """
         width = decoder_input.size(1)
-        return run_decoder(model, decoder_input, self_bias, encoder_states, encoder_mask,
-                           position_embeddings=self.position_embedding.weight[None, :width])
+        return self.model_step()(model, decoder_input, self_bias, encoder_states, encoder_mask,
+                                 position_embeddings=self.position_embedding.weight[None, :width])
 
     # -- length prediction ---------------------------------------------------------------------
     def length_logits(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -53,19 +53,20 @@ def causal_bias(model, width: int) -> torch.Tensor:
 
 
 def one_pass_logits(model, start: int, offsets: torch.Tensor, encoder_states: torch.Tensor,
-                    encoder_mask: torch.Tensor) -> torch.Tensor:
+                    encoder_mask: torch.Tensor, run: Callable = run_decoder) -> torch.Tensor:
     """The decoder's vocabulary logits (B, W, V) in ONE call whose input embeddings are
     embed(start) + offsets[:, i] at position i, under the causal structure.
 
     offsets: (B, W, d_model); encoder_states: (B, S, d_model); encoder_mask: (B, S) 1/0.
     `run_decoder` embeds token ids and adds `position_embeddings` to them, so feeding the start
     token everywhere with the offsets as position embeddings gives arbitrary input embeddings
-    through its exact code path (the same sdpa-safe mask handling as every other decoder).
+    through its exact code path (the same sdpa-safe mask handling as every other decoder). `run`
+    runs the blocks: `run_decoder`, or a decoder's `model_step`.
     """
     batch, width = offsets.shape[:2]
     ids = torch.full((batch, width), start, dtype=torch.long, device=offsets.device)
-    hidden = run_decoder(model, ids, causal_bias(model, width), encoder_states, encoder_mask,
-                         position_embeddings=offsets)                          # (B, W, d_model)
+    hidden = run(model, ids, causal_bias(model, width), encoder_states, encoder_mask,
+                 position_embeddings=offsets)                          # (B, W, d_model)
     return output_logits(model, hidden)
 
 
@@ -174,8 +175,8 @@ class OneStepDecoder(Decoder):
         batch_size = input_ids.size(0)
         encoder_states = encode(model, input_ids, attention_mask)               # (B, S, d_model)
         offsets = self.offsets(encoder_states, attention_mask, self.max_length)  # (B, W, d_model)
-        tokens = one_pass_logits(model, self.special.start, offsets, encoder_states,
-                                 attention_mask).argmax(-1)                      # (B, W)
+        tokens = one_pass_logits(model, self.special.start, offsets, encoder_states, attention_mask,
+                                 self.model_step()).argmax(-1)                   # (B, W)
         rows, = read_back(tokens)                                                # the one sync point
         split = [split_flat_output(row, self.special) for row in rows]
         # tokens produced: up to and including the end token (what follows it is discarded)

@@ -53,7 +53,7 @@ fed, the room left under the output bound); what the whole batch shares is a `Ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from transformers import T5ForConditionalGeneration
@@ -190,6 +190,7 @@ class Batch:
     """What one `generate` keeps beside its `State`: fixed for the batch, or written in place."""
 
     model: T5ForConditionalGeneration
+    run: Callable[..., torch.Tensor]   # what runs the decoder blocks (`Decoder.model_step`)
     table: StructureTable        # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
     cache: EncoderDecoderCache
@@ -361,7 +362,8 @@ class PipelinedDecoder(Decoder):
                     origin=rows.index[:, None])
         width = grid_width(length - 1)
         produced = full((batch_size, (slots + 1) * width), NOT_PRODUCED)
-        batch = Batch(model, table, width, cache, rows, produced, calls=[0] * batch_size)
+        batch = Batch(model, self.model_step(), table, width, cache, rows, produced,
+                      calls=[0] * batch_size)
         # slot 0 starts at step 0 in every example
         return batch, State(live, running=[1] * batch_size, fed=[0] * batch_size,
                             originals=list(range(batch_size)), may_start=[True] * batch_size,
@@ -386,8 +388,8 @@ class PipelinedDecoder(Decoder):
         columns = self._columns(batch, live, width, step)
         keys = torch.cat([live.keys, columns.query.code], 1)                            # (B', N)
         bias = attention_bias(batch.table, columns.query, Grid(keys, batch.width))     # line 8
-        hidden = run_decoder(batch.model, columns.token, bias, live.encoder_states,
-                             live.cross_mask, batch.cache)                             # (B', R, d)
+        hidden = batch.run(batch.model, columns.token, bias, live.encoder_states, live.cross_mask,
+                           batch.cache)                             # (B', R, d)
         logits = output_logits(batch.model, hidden[cells])                             # (n, vocab)
         emitted = columns.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: unchanged
         batch.batch_calls += 1

@@ -19,7 +19,7 @@ import torch
 from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, new_cache, output_logits,
-                               past_distance_bias_table, run_decoder)
+                               past_distance_bias_table)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
 
@@ -65,9 +65,10 @@ class SequentialDecoder(Decoder):
         rows = LiveRows(batch_size, device)
         produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
+        run = self.model_step()
         for step in range(bound):
-            hidden = run_decoder(model, step_input, past[..., bound - 1 - step:], encoder_states,
-                                 cross_mask, cache)                        # (live, 1, d_model)
+            hidden = run(model, step_input, past[..., bound - 1 - step:], encoder_states, cross_mask,
+                         cache)                        # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
             produced[rows.index, step] = next_tokens
             if step + 1 == bound:

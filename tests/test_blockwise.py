@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import decoders.drafts as drafts_module
 from decoders import available, build_decoder, decoder_class
-from decoders.backbone import output_logits
+from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
@@ -288,19 +287,18 @@ def test_a_call_attends_to_no_more_than_the_longest_live_row():
     decoder.proposal_logits = proposal_logits
 
     seen = []  # per call: (slots attended, buffer slots, fed width, tokens produced by each live row)
-    real_run_decoder = drafts_module.run_decoder
 
     def recording_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache=None, **kw):
         first = input_ids[:, 0].tolist()
         produced = [0 if t == SPECIAL.start else LONG_CHAIN.index(t) + 1 for t in first]
-        hidden = real_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, **kw)
+        hidden = run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, **kw)
         seen.append((self_bias.size(-1), cache.self_attention_cache.get_seq_length(), input_ids.size(1),
                      produced))
         return hidden
 
     input_ids, attention_mask = random_batch(3, seed=5)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(drafts_module, "run_decoder", recording_run_decoder)
+        patch.setattr(decoder, "model_step", lambda: recording_run_decoder)
         out = decoder.generate(model, input_ids, attention_mask)
     assert out.subsequences == [[LONG_CHAIN[:-1]]] * 3                      # still the greedy chain
     assert len(seen) == out.batch_decoder_calls
@@ -343,10 +341,9 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
     position = [0] * len(sequences)   # per example: tokens produced so far = position of fed[:, 0]
     next_proposals = []               # per row that goes on, for the heads: (example, its new position)
     calls, moved_calls, compared = [0], [0], [0]
-    real_run_decoder = drafts_module.run_decoder
 
     def checking_run_decoder(model, fed, self_bias, live_states, *args, **kwargs):
-        hidden = real_run_decoder(model, fed, self_bias, live_states, *args, **kwargs)  # (live, Q, d)
+        hidden = run_decoder(model, fed, self_bias, live_states, *args, **kwargs)  # (live, Q, d)
         calls[0] += 1
         # which example each live row is: the one whose encoder output it carries
         examples = [(row - encoder_states).abs().flatten(1).amax(1).argmin().item() for row in live_states]
@@ -381,7 +378,7 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
     decoder = blockwise(model, block_size=k, max_new_tokens=bound)
     decoder.proposal_logits = oracle_proposal_logits
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(drafts_module, "run_decoder", checking_run_decoder)
+        patch.setattr(decoder, "model_step", lambda: checking_run_decoder)
         out = decoder.generate(model, input_ids, attention_mask)
     assert_same_output(out, sequential(model, bound).generate(model, input_ids, attention_mask))
     # not vacuous: live rows at different lengths at most calls, many states compared
@@ -475,7 +472,7 @@ def test_yaml_options_are_the_constructor_arguments():
     cfg = compose(task="keyphrase", decoder="blockwise")
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"block_size": 4, "freeze_backbone": False, "top_k": 1,
-                       "max_new_tokens": cfg.data.max_target_length}
+                       "max_new_tokens": cfg.data.max_target_length, "compile": False}
     decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, **options)
     assert decoder.block_size == 4 and len(decoder.heads) == 3
 

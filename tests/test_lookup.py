@@ -306,10 +306,12 @@ def test_invalid_options_name_the_value(option, value):
 def test_yaml_options_are_the_constructor_arguments():
     cfg = compose(task="keyphrase", decoder="lookup")
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
-    assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length}
+    assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length,
+                       "compile": False}
     decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
     assert (decoder.draft_width, decoder.match) == (4, 1)
-    assert set(decoder_class("lookup").decode_options) == set(options)
+    kind = decoder_class("lookup")
+    assert set(kind.decode_options + kind.shared_decode_options) == set(options)
 
 
 def test_it_decodes_what_sequential_trains_and_trains_nothing():

@@ -468,7 +468,7 @@ def test_bad_options_fail_clearly(options, needle):
 def test_config_options_and_family():
     cfg = compose("keyphrase", "nar", None, ["data.max_target_length=40", "decoder.iterations=2"])
     assert dict(cfg.decoder) == {"name": "nar", "iterations": 2, "length_candidates": 1,
-                                 "length_loss_weight": 0.1, "max_length": 40}
+                                 "length_loss_weight": 0.1, "max_length": 40, "compile": False}
     assert nar.MaskPredictDecoder.layout_family == "nar"
 
 

@@ -142,8 +142,9 @@ def observed_generate(monkeypatch, decoder, model, input_ids, attention_mask):
 
     with monkeypatch.context() as patch:
         for name, observed in (("LiveRows", ObservedRows), ("attention_bias", observed_bias),
-                               ("run_decoder", observed_run_decoder), ("output_logits", observed_logits)):
+                               ("output_logits", observed_logits)):
             patch.setattr(pipelined_module, name, observed)
+        patch.setattr(decoder, "model_step", lambda: observed_run_decoder)
         out = decoder.generate(model, input_ids, attention_mask)
     return out, seen["logits"], seen["calls"]
 
@@ -340,9 +341,10 @@ def scripted_pipelined(monkeypatch, script: dict, **options):
         return F.one_hot(torch.tensor(tokens), VOCAB).to(torch.get_default_dtype())  # (n, vocab)
 
     monkeypatch.setattr(pipelined_module, "attention_bias", query_positions)
-    monkeypatch.setattr(pipelined_module, "run_decoder", lambda model, ids, positions, *a: positions)
     monkeypatch.setattr(pipelined_module, "output_logits", scripted_logits)
-    return pipelined(tiny_t5(0), **options), calls
+    decoder = pipelined(tiny_t5(0), **options)
+    monkeypatch.setattr(decoder, "model_step", lambda: lambda model, ids, positions, *a: positions)
+    return decoder, calls
 
 
 A, B, C, D, E, X = 10, 11, 12, 13, 14, 15

@@ -166,7 +166,8 @@ def test_checkpoint_compatibility():
 def test_options():
     from tasks.config import compose
     cfg = compose(task="keyphrase", decoder="onestep")
-    assert dict(cfg.decoder) == {"name": "onestep", "max_length": cfg.data.max_target_length}
+    assert dict(cfg.decoder) == {"name": "onestep", "max_length": cfg.data.max_target_length,
+                                 "compile": False}
     assert decoder_class("onestep").decode_options == ("max_length",)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=rf"decoder\.max_length must be an integer >= 1.*got {bad!r}"):

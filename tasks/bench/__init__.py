@@ -7,6 +7,7 @@ the same inputs go to every decoder.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable, ContextManager
 
 import torch
@@ -41,6 +42,17 @@ def random_inputs(batch_size: int, vocab: int, seed: int = 1):
     for i, n in enumerate(lengths.tolist()):
         input_ids[i, :n] = torch.randint(5, vocab, (n,), generator=g)
     return input_ids, (input_ids != 0).long()
+
+
+def replace_backbone_calls(replacements: dict[str, Callable]) -> None:
+    """Make every decoder module call `replacements[name]` where it calls `decoders.backbone.name`:
+    each imported the backbone's functions under their own names (and importing `decoders` imported
+    every decoder module, to register it), so they are replaced there."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("decoders.") and module_name != "decoders.backbone":
+            for name, function in replacements.items():
+                if hasattr(module, name):
+                    setattr(module, name, function)
 
 
 def bounded(name: str, steps: int) -> dict:

@@ -16,12 +16,12 @@ kernel launches.
 """
 import argparse
 import statistics
-import sys
 import time
 
 import torch
 
 import decoders.backbone as backbone
+from tasks.bench import replace_backbone_calls
 from tasks.comparison.plan import parse_checkpoints
 from tasks.test import restore_as_trained
 
@@ -45,12 +45,8 @@ def timed(function, part):
     return wrapper
 
 
-# every decoder module imported its own names from decoders.backbone: wrap them there (importing
-# `decoders` imported every decoder module, to register it)
-for module in [m for n, m in sys.modules.items() if n.startswith("decoders.") and n != "decoders.backbone"]:
-    for function, part in (("run_decoder", "model"), ("output_logits", "model"), ("encode", "encode")):
-        if hasattr(module, function):
-            setattr(module, function, timed(getattr(backbone, function), part))
+replace_backbone_calls({function: timed(getattr(backbone, function), part) for function, part in
+                        (("run_decoder", "model"), ("output_logits", "model"), ("encode", "encode"))})
 
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
