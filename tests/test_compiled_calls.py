@@ -14,6 +14,16 @@ from tests.conftest import SPECIAL, first_batch_where, random_batch, tiny_t5
 pytestmark = pytest.mark.float64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_compile_cache(tmp_path_factory):
+    """A kernel cache of this run's own: inductor's on-disk cache does not tell kernels built for
+    one ATEN_CPU_CAPABILITY from another's, and a native kernel reused under `default` fails to
+    build (docs/testing.md)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
 @pytest.mark.parametrize("name", available())
 def test_the_option_compiles_the_decoding_step_only(name):
     model = tiny_t5(0)
