@@ -62,7 +62,7 @@ from torch import nn
 from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (at_least_float32, cross_attention_mask, encode, hidden_mask,
-                               masked_mean, output_logits, relative_position_bias, run_decoder)
+                               masked_mean, output_logits, relative_position_bias)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import split_flat_output
 from decoders.sequential import join_subsequences

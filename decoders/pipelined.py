@@ -389,7 +389,7 @@ class PipelinedDecoder(Decoder):
         keys = torch.cat([live.keys, columns.query.code], 1)                            # (B', N)
         bias = attention_bias(batch.table, columns.query, Grid(keys, batch.width))     # line 8
         hidden = batch.run(batch.model, columns.token, bias, live.encoder_states, live.cross_mask,
-                           batch.cache)                             # (B', R, d)
+                           batch.cache)                                                # (B', R, d)
         logits = output_logits(batch.model, hidden[cells])                             # (n, vocab)
         emitted = columns.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: unchanged
         batch.batch_calls += 1

@@ -68,7 +68,7 @@ class SequentialDecoder(Decoder):
         run = self.model_step()
         for step in range(bound):
             hidden = run(model, step_input, past[..., bound - 1 - step:], encoder_states, cross_mask,
-                         cache)                        # (live, 1, d_model)
+                         cache)                                            # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
             produced[rows.index, step] = next_tokens
             if step + 1 == bound:

@@ -26,9 +26,7 @@ that hit a decoder bound are left out (their outputs were cut). One decode of th
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 from tqdm import tqdm

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
 from tasks.module import write_jsonl
