@@ -43,12 +43,13 @@ padded to the batch's largest count (B, R); the key/value cache grows by R colum
 padding columns lie in no query's past (`Grid`), so no mask is kept for them. Finished examples
 are dropped from the batch and the cache.
 
-Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), one `_step` per time step
-(lines 4-13: `_starts_at` is the start schedule; `_columns` gathers the running subsequences, one
-decoder call, `_append` writes their tokens back, `_drop_done` ends examples), `_output` (line 14).
-Between steps the state is a `State`: per live example a `Live` (each slot's idle flag and next
-token, may_start, the cache's key positions) and host-side counts (running subsequences, columns
-fed, the room left under the output bound); what the whole batch shares is a `Batch`.
+Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), then per time step
+`_start_subsequences` (lines 5-7), `_call` (line 8: one decoder call, its tokens read back),
+`_append` (lines 9-11: the tokens written to their slots) and `_drop_done` (lines 12-13), and
+`_output` (line 14). The state is the host's: per example an `Example` (each slot's tokens, which
+slots run, may_start, the room left under the output bound); on the device only what the model
+needs, per live example a row of a `Batch` (the cache, the `Grid` codes of its columns, the
+encoder states).
 """
 from __future__ import annotations
 
@@ -64,12 +65,10 @@ from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
                                new_cache, output_logits, past_distance_bias_table, run_decoder)
 from decoders.base import DecodeOutput, Decoder
-from decoders.loop import LiveRows, NOT_PRODUCED, read_back
+from decoders.loop import LiveRows
 
 # the stopping rules (module docstring)
 FIRST_EMPTY, ALL_END = "first_empty", "all_end"
-# `produced` entries: never written, and a token that was emitted but cut by the output bound
-CUT = -2
 
 
 def grid_width(offsets: int) -> int:
@@ -151,57 +150,39 @@ def attention_bias(table: StructureTable, query: Grid, key: Grid) -> torch.Tenso
 
 # ---- decoding state ----------------------------------------------------------------------------
 
-class Live(NamedTuple):
-    """Per live example, one row each (B' rows, in input order): `LiveRows.drop` drops a done
-    example's row from every field at once. Slot i holds subsequence i."""
+@dataclass
+class Example:
+    """One example's decoding, kept on the host: each call's tokens are read back (the call's one
+    sync) and written here. Slot i holds subsequence i."""
 
-    idle: torch.Tensor            # (B', slots) bool: runs nothing (not started, or ended); in place
-    token: torch.Tensor           # (B', slots) the token it feeds next: b, then its last; in place
-    may_start: torch.Tensor       # (B',) bool: it may start more subsequences; written in place
-    keys: torch.Tensor            # (B', N) `Grid` codes of the cache's columns
-    encoder_states: torch.Tensor  # (B', source_len, d_model)
-    cross_mask: torch.Tensor      # (B', 1, 1, source_len) `cross_attention_mask`
-    origin: torch.Tensor          # (B', 1) its row in the batch (`LiveRows.index`), for `produced`
-
-
-class State(NamedTuple):
-    """Decoding's state before a step; a step returns the next one. The host-side lists hold,
-    per live example, what decides on the host when it is done (`_drop_done`)."""
-
-    live: Live
-    running: list[int]     # subsequences each live example runs at this step
-    fed: list[int]         # columns each live example has in the cache
-    originals: list[int]   # each live example's row in the batch
-    may_start: list[bool]  # `Live.may_start`, mirrored
-    room: list[int]        # tokens its output may still take: max_length - its length so far
-
-
-class Columns(NamedTuple):
-    """A step's R columns per live example: its running slots, in subsequence order, then padding
-    (other slots, whose tokens no real query sees and which are written back unchanged)."""
-
-    slot: torch.Tensor    # (B', R) each column's slot
-    token: torch.Tensor   # (B', R) the token it feeds
-    query: Grid           # (B', R) its grid position; padding at subsequence `max_subsequences`
+    room: int                      # tokens its output may still take: max_length - its length so far
+    slots: list[list[int]] = field(default_factory=list)   # each started slot's tokens (e included)
+    running: list[int] = field(default_factory=list)       # the slots fed at this step, in order
+    may_start: bool = True         # it may start more subsequences
+    fed: int = 0                   # its real columns in the cache (a call's padding columns not)
+    calls: int = 0                 # decoder calls it took part in with a running subsequence
+    cut: bool = False              # a token did not fit max_length
+    denied_start: bool = False     # a subsequence was due to start and no slot was left
+    done: bool = False             # it left the batch before max_steps
 
 
 @dataclass
 class Batch:
-    """What one `generate` keeps beside its `State`: fixed for the batch, or written in place."""
+    """What one `generate` keeps beside its examples: fixed for the batch, or, one row per live
+    example (in `live`'s order), on the device; `LiveRows.drop` drops a done example's row."""
 
     model: T5ForConditionalGeneration
     run: Callable[..., torch.Tensor]   # what runs the decoder blocks (`Decoder.model_step`)
     table: StructureTable        # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
+    padding_code: int            # the `Grid` code of a padding column
     cache: EncoderDecoderCache
     rows: LiveRows
-    # per example (rows leave the batch; this stays), read back once at the end: slot i's token j
-    # at [i * width + j] (its `Grid` code); padding columns write to slot `max_subsequences`
-    produced: torch.Tensor       # (B, (slots + 1) * width)
-    calls: list[int]             # host: decoder calls per example
+    keys: torch.Tensor           # (B', N) `Grid` codes of the cache's columns
+    encoder_states: torch.Tensor  # (B', source_len, d_model)
+    cross_mask: torch.Tensor     # (B', 1, 1, source_len) `cross_attention_mask`
+    live: list[Example]          # the examples still decoding, one per row
     batch_calls: int = 0
-    # host: example -> (step, room before it) where its output went past max_length
-    cut_at: dict = field(default_factory=dict)
     cells_by_counts: dict = field(default_factory=dict)   # running counts -> `running_cells`
 
     def running_cells(self, running: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +192,7 @@ class Batch:
         if key not in self.cells_by_counts:
             cells = [[b for b, count in enumerate(running) for _ in range(count)],
                      [c for count in running for c in range(count)]]
-            self.cells_by_counts[key] = torch.tensor(cells, device=self.produced.device).unbind(0)
+            self.cells_by_counts[key] = torch.tensor(cells, device=self.keys.device).unbind(0)
         return self.cells_by_counts[key]
 
 
@@ -303,8 +284,9 @@ class PipelinedDecoder(Decoder):
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        """Algorithm 1, top to bottom: encode, one `_step` per time step until every example is
-        done or `max_steps`, then the output.
+        """Algorithm 1, top to bottom: encode; at every time step start subsequence step/d, make
+        ONE decoder call for every running subsequence, write its tokens, drop the examples that
+        are done; until none is left or `max_steps`; then the output.
 
         The cache stays lean: each call appends R columns per example (R = the batch's largest
         running count), padding where an example runs fewer. When the cache holds more columns
@@ -313,213 +295,162 @@ class PipelinedDecoder(Decoder):
         cache length = most tokens any live example fed. (Rare: usually the example running most
         subsequences stays the fullest.)
 
-        Host syncs: one per decoder call (`LiveRows.read`: how many slots each example has left
-        running, and on a start step whether its new subsequence was empty). From these the host
-        keeps each example's counts and output bound, decides which examples are done and sets
-        the next call's width and which columns need vocabulary logits. A running slot's offset
-        is implied by the step (slot i started at step i*d and has run at every step since), so
-        per call the device only sorts the slots, gathers one bias, and writes the tokens back
-        with one scatter and one index write; the tokens are read back once, at the end, where
-        the tokens past the output bound are marked. On a GPU every one of these ops is a kernel
-        launch, and at batch size 1 on a CPU they, not the model, are what a call costs beyond
-        sequential's, so there are as few as possible (`tasks.bench.op_counts`).
+        Host syncs: one per decoder call, the read-back of its tokens (`LiveRows.read`). The
+        decode's state is then the host's (`Example`): which slots run, their tokens, the output
+        bound, which examples are done. From it the host builds the next call's tokens and grid
+        positions and sends them in one copy, right after the read, when nothing is queued for
+        it to wait for (but at the first call, which waits for the encoder). On the device a call
+        is then only the keys' append, one bias gather, the model and the argmax: on a GPU every
+        op is a kernel launch, and at batch size 1 on a CPU the ops around the model are what a
+        call costs beyond sequential's, so there are as few as possible (`tasks.bench.op_counts`).
         """
-        batch, state = self._start(model, input_ids, attention_mask)
+        examples = [Example(room=self.max_length) for _ in range(input_ids.size(0))]
+        batch = self._start(model, input_ids, attention_mask, examples)
         for step in range(self.max_steps):
-            state = self._step(batch, state, step)
-            if state is None:
+            self._start_subsequences(batch.live, step)                                 # lines 5-7
+            if not any(example.running for example in batch.live):
+                # with delay > 1 every live example may wait for its next start: no call
+                continue
+            tokens = self._call(batch, step)                                            # line 8
+            self._append(batch.live, tokens)                                            # lines 9-11
+            if not self._drop_done(batch, step):                                        # lines 12-13
                 break
-        # the examples still live after the last step were cut by max_steps
-        return self._output(batch, set() if state is None else set(state.originals))
-
-    def _starts_at(self, step: int) -> bool:
-        """Whether subsequence step/d starts at `step` (in the examples that may start one):
-        subsequence i starts at step i*d, while slots remain."""
-        return step % self.delay == 0 and step <= self._last_start()
+        return self._output(examples, batch.batch_calls)                                # line 14
 
     def _last_start(self) -> int:
         """The step at which the last slot's subsequence starts."""
         return (self.max_subsequences - 1) * self.delay
 
-    def _start(self, model, input_ids, attention_mask) -> tuple[Batch, State]:
-        """Lines 1-3: encode the input once; every slot waits, nothing is fed yet."""
+    def _start(self, model, input_ids, attention_mask, examples: list[Example]) -> Batch:
+        """Lines 1-3: encode the input once; nothing is fed yet."""
         device, batch_size = input_ids.device, input_ids.size(0)
         slots, length = self.max_subsequences, self.max_subsequence_length
         # real offsets stay below `length`; padding columns have subsequence index `slots` (Grid)
         table = structure_table(past_distance_bias_table(model, slots + length), self.delay, slots,
                                 length - 1)
-        encoder_states = encode(model, input_ids, attention_mask)
-        cache, rows = new_cache(), LiveRows(batch_size, device)
-
-        def full(shape, value, dtype=torch.long):
-            return torch.full(shape, value, dtype=dtype, device=device)
-        live = Live(idle=full((batch_size, slots), True, torch.bool),
-                    token=full((batch_size, slots), self.special.start),
-                    may_start=full((batch_size,), True, torch.bool),
-                    keys=full((batch_size, 0), 0),
-                    encoder_states=encoder_states,
-                    cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
-                    origin=rows.index[:, None])
         width = grid_width(length - 1)
-        produced = full((batch_size, (slots + 1) * width), NOT_PRODUCED)
-        batch = Batch(model, self.model_step(), table, width, cache, rows, produced,
-                      calls=[0] * batch_size)
-        # slot 0 starts at step 0 in every example
-        return batch, State(live, running=[1] * batch_size, fed=[0] * batch_size,
-                            originals=list(range(batch_size)), may_start=[True] * batch_size,
-                            room=[self.max_length] * batch_size)
+        encoder_states = encode(model, input_ids, attention_mask)
+        return Batch(model, self.model_step(), table, width, padding_code=slots * width,
+                     cache=new_cache(), rows=LiveRows(batch_size, device),
+                     keys=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
+                     encoder_states=encoder_states,
+                     cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
+                     live=list(examples))
 
-    def _step(self, batch: Batch, state: State, step: int) -> State | None:
-        """Lines 4-13 at time step `step`, for every live example: start subsequence step/d where
-        it may, give every running subsequence its next token in ONE decoder call, drop the
-        examples that are done. Returns the next step's state, or None when none is left."""
-        live = state.live
-        if self._starts_at(step):                                                       # lines 5-7
-            live.idle[:, step // self.delay].masked_fill_(live.may_start, False)
-        width = max(state.running)
-        if width == 0:
-            # with delay > 1 every live example may wait for its next start: no call; the live
-            # examples (none is stopped: those finished) start one at the next start
-            return state._replace(running=[int(self._starts_at(step + 1))] * len(state.running))
-        # the running columns (the first running[b] of row b) get vocabulary logits: their indices
-        # come from the host-side counts, not from a `nonzero` that would wait. Made here, before
-        # this call's work is queued: on a GPU, a copy from the host waits for the queue.
-        cells = batch.running_cells(state.running)
-        columns = self._columns(batch, live, width, step)
-        keys = torch.cat([live.keys, columns.query.code], 1)                            # (B', N)
-        bias = attention_bias(batch.table, columns.query, Grid(keys, batch.width))     # line 8
-        hidden = batch.run(batch.model, columns.token, bias, live.encoder_states, live.cross_mask,
+    def _start_subsequences(self, live: list[Example], step: int) -> None:
+        """Lines 5-7: every d steps, subsequence step/d starts (with b) in every example that may
+        start one; one due when no slot is left is a bound hit (`denied_start`)."""
+        if step % self.delay:
+            return
+        slot = step // self.delay
+        for example in live:
+            if not example.may_start:
+                continue
+            if slot < self.max_subsequences:
+                example.slots.append([])
+                example.running.append(slot)
+            else:
+                example.denied_start = True
+
+    def _call(self, batch: Batch, step: int) -> list[int]:
+        """Line 8: ONE decoder call feeds every running subsequence's newest token (b when it has
+        none yet) at its grid position; returns their argmax tokens, row after row in slot order,
+        read back (the call's one sync)."""
+        start, width = self.special.start, batch.width
+        running = [len(example.running) for example in batch.live]
+        columns = max(running)
+        tokens, codes = [], []
+        for example in batch.live:
+            padding = columns - len(example.running)
+            # running slot i has written j tokens and feeds its last (b for none) at offset j; a
+            # padding column feeds b at the padding code: no real query sees it (Grid)
+            tokens.append([example.slots[i][-1] if example.slots[i] else start
+                           for i in example.running] + [start] * padding)
+            codes.append([i * width + len(example.slots[i]) for i in example.running]
+                         + [batch.padding_code] * padding)
+            example.calls += bool(example.running)
+            example.fed += len(example.running)
+        # only the running columns get vocabulary logits; the indices of some of the columns come
+        # from the host like the inputs, before this call's work is queued
+        cells = None if sum(running) == columns * len(running) else batch.running_cells(running)
+        token, query = torch.tensor([tokens, codes], device=batch.keys.device).unbind(0)  # (B', R)
+        batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
+        bias = attention_bias(batch.table, Grid(query, width), Grid(batch.keys, width))
+        hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
                            batch.cache)                                                # (B', R, d)
-        logits = output_logits(batch.model, hidden[cells])                             # (n, vocab)
-        emitted = columns.token.index_put(cells, logits.argmax(-1))  # (B', R); padding: unchanged
+        hidden = hidden.flatten(0, 1) if cells is None else hidden[cells]              # (n, d)
         batch.batch_calls += 1
-        for b, count in enumerate(state.running):
-            batch.calls[state.originals[b]] += int(count > 0)
-        empty = self._append(batch, live, columns, emitted, step)                       # lines 9-11
-        return self._drop_done(batch, state._replace(live=live._replace(keys=keys)), step, empty)
+        return batch.rows.read(output_logits(batch.model, hidden).argmax(-1))
 
-    def _columns(self, batch: Batch, live: Live, width: int, step: int) -> Columns:
-        """This step's `width` columns per live example: its running slots in subsequence order
-        (they are not idle, and the sort is stable), then others as padding. Running slot i is at
-        offset step - i*d: it started at step i*d and has run at every step since."""
-        idle, slot = torch.sort(live.idle, dim=1, stable=True)
-        slot, padding = slot[:, :width], idle[:, :width]                              # (B', R)
-        code = (slot * (batch.width - self.delay) + step).masked_fill_(           # i*width + offset
-            padding, self.max_subsequences * batch.width)
-        # a padding column feeds its slot's token: no real query sees it (Grid)
-        return Columns(slot, live.token.gather(1, slot), Grid(code, batch.width))
+    def _append(self, live: list[Example], tokens: list[int]) -> None:
+        """Lines 9-11: each running subsequence's token is written to its slot, in subsequence
+        order while the output fits max_length (the empty terminator's e takes no room; a token
+        that does not fit cuts the example, and the call's later tokens are dropped); a
+        subsequence ends at e or at max_subsequence_length tokens; under first_empty an empty
+        subsequence stops new starts."""
+        eos, tokens = self.special.eos, iter(tokens)
+        for example in live:
+            still = []
+            for slot in example.running:
+                token, written = next(tokens), example.slots[slot]
+                empty = token == eos and not written
+                example.room -= not empty
+                if example.room < 0:
+                    example.cut = True
+                    continue
+                written.append(token)
+                if empty and self.stop_rule == FIRST_EMPTY:
+                    example.may_start = False
+                if token != eos and len(written) < self.max_subsequence_length:
+                    still.append(slot)
+            example.running = still
 
-    def _append(self, batch: Batch, live: Live, columns: Columns, emitted: torch.Tensor,
-                step: int) -> torch.Tensor | None:
-        """Lines 9-11: write each running subsequence's token back to its slot and to `produced`;
-        a subsequence ends at e or at its length bound; under first_empty an empty subsequence
-        stops new starts. Returns, on a start step, (B',) whether the new subsequence was empty
-        (the output bound, which needs it, is kept on the host, `_drop_done`)."""
-        eos = self.special.eos
-        live.token.scatter_(1, columns.slot, emitted)
-        batch.produced.index_put_((live.origin, columns.query.code), emitted)
-        live.idle.logical_or_(live.token == eos)   # an idle slot's token is b or its own e already
-        # the slot that wrote its last token, at offset max_subsequence_length - 1, if any
-        started = step + 1 - self.max_subsequence_length
-        slot, late = divmod(started, self.delay)
-        if started >= 0 and late == 0 and slot < self.max_subsequences:
-            live.idle[:, slot] = True
-        if not self._starts_at(step):
-            return None
-        # a slot that did not start still holds b
-        empty = live.token[:, step // self.delay] == eos
-        if self.stop_rule == FIRST_EMPTY:
-            live.may_start.masked_fill_(empty, False)
-        return empty
-
-    def _drop_done(self, batch: Batch, state: State, step: int,
-                   empty: torch.Tensor | None) -> State | None:
-        """Lines 12-13: read back how many slots each example left running (and whether its new
-        subsequence was empty), and drop the examples that are done: those whose output went past
+    def _drop_done(self, batch: Batch, step: int) -> bool:
+        """Lines 12-13: the examples that are done leave the batch and the cache: those cut by
         max_length, and those with nothing running and (first_empty) nothing left to start
-        (all_end: whatever could still start)."""
-        live, slots = state.live, self.max_subsequences
-        idle = live.idle.sum(1)
-        read = batch.rows.read(idle if empty is None else torch.stack([idle, empty]))  # the sync
-        idle, empty = (read, [0] * len(read)) if empty is None else read
+        (all_end: whatever could still start). Returns whether any example is left."""
         start_due = self.stop_rule == FIRST_EMPTY and step < self._last_start()
-        done, running, may_start, room = [], [], [], []
-        for b, original in enumerate(state.originals):
-            still = slots - idle[b]
-            # every running column's token counts towards the output but the empty terminator's e
-            room.append(state.room[b] - (state.running[b] - empty[b]))
-            may_start.append(state.may_start[b] and not (self.stop_rule == FIRST_EMPTY and empty[b]))
-            if room[b] < 0:
-                batch.cut_at[original] = (step, state.room[b])
-            done.append(room[b] < 0 or (still == 0 and not (start_due and may_start[b])))
-            running.append(still + int(may_start[b] and self._starts_at(step + 1)))
-        kept = batch.rows.drop(done, batch.cache, *live)
+        for example in batch.live:
+            example.done = example.cut or not (example.running or (start_due and example.may_start))
+        kept = batch.rows.drop([example.done for example in batch.live], batch.cache, batch.keys,
+                               batch.encoder_states, batch.cross_mask)
         if kept is None:
-            return None
-        fed = [columns + count for columns, count in zip(state.fed, state.running)]
-        state = State(Live(*kept), *([values[b] for b in batch.rows.kept] for values in (
-            running, fed, state.originals, may_start, room)))
-        if state.live.keys.size(1) > max(state.fed):
-            state = state._replace(live=self._packed(batch, state.live, max(state.fed)))
-        return state
+            return False
+        batch.keys, batch.encoder_states, batch.cross_mask = kept
+        batch.live = [batch.live[row] for row in batch.rows.kept]
+        most_fed = max(example.fed for example in batch.live)
+        if batch.keys.size(1) > most_fed:
+            self._pack(batch, most_fed)
+        return True
 
-    def _packed(self, batch: Batch, live: Live, most_fed: int) -> Live:
+    def _pack(self, batch: Batch, most_fed: int) -> None:
         """Pack each example's fed columns to the front of the cache and its keys (stable: their
         order is kept), and crop the padding every example has past its own."""
-        padding = live.keys == self.max_subsequences * batch.width                   # (B', N)
-        order = torch.sort(padding, dim=1, stable=True).indices[:, :most_fed]         # (B', N')
+        padding = batch.keys == batch.padding_code                                     # (B', N)
+        order = torch.sort(padding, dim=1, stable=True).indices[:, :most_fed]          # (B', N')
         gather_self_attention_cache(batch.cache, order)
-        return live._replace(keys=live.keys.gather(1, order))
+        batch.keys = batch.keys.gather(1, order)
 
-    def _output(self, batch: Batch, cut_by_max_steps: set[int]) -> DecodeOutput:
-        """Line 14: every example's non-empty subsequences, in order, and what it took. The tokens
-        read back, the ones past the output bound are marked CUT (`_mark_cut`); the bound flags
-        come from the tokens: a slot cut at max_subsequence_length wrote a last token that is not
-        e; an output cut by max_length holds a CUT."""
-        slots, length = self.max_subsequences, self.max_subsequence_length
-        delay, eos = self.delay, self.special.eos
-        tokens, = read_back(batch.produced.view(-1, slots + 1, batch.width)[:, :slots, :length])
-        for example, (step, room) in batch.cut_at.items():
-            self._mark_cut(tokens[example], step, room)
-        produced_length = [[sum(t >= 0 for t in row) for row in rows] for rows in tokens]
-        hit_bound = [any(row[-1] >= 0 and row[-1] != eos for row in rows)
-                     or any(CUT in row for row in rows) for rows in tokens]
-        if self.stop_rule == FIRST_EMPTY:
-            # An example that used all `max_subsequences` slots never emitted its empty terminator:
-            # it was cut by that bound as surely as by `max_steps`.
-            hit_bound = [cut or not any(row[0] == eos for row in rows)
-                         for cut, rows in zip(hit_bound, tokens)]
-        # Under all_end an example takes part in a call at every step until it is done, so one
-        # with more calls than slots*d still ran at step slots*d, whose exploration found no slot.
-        cut_by_slots = [self.stop_rule == ALL_END and n > slots * delay for n in batch.calls]
+    def _output(self, examples: list[Example], batch_calls: int) -> DecodeOutput:
+        """Line 14: every example's non-empty subsequences, in order (their e dropped), and what
+        it took. An example was cut by a bound if it was still decoding after max_steps, if a
+        token did not fit max_length, if a slot wrote max_subsequence_length tokens none of them
+        e, if a start was due with no slot left, or (first_empty) if it never wrote its empty
+        terminator."""
+        eos, length = self.special.eos, self.max_subsequence_length
+
+        def hit_bound(example: Example) -> bool:
+            return (not example.done or example.cut or example.denied_start
+                    or any(len(tokens) == length and tokens[-1] != eos for tokens in example.slots)
+                    or (self.stop_rule == FIRST_EMPTY
+                        and all(tokens[:1] != [eos] for tokens in example.slots)))
+
+        def without_end(tokens: list[int]) -> list[int]:
+            return tokens[:-1] if tokens[-1:] == [eos] else tokens
         return DecodeOutput(
-            subsequences=[self._subsequences(rows, lengths)
-                          for rows, lengths in zip(tokens, produced_length)],
-            decoder_calls=batch.calls, tokens=[sum(lengths) for lengths in produced_length],
-            hit_max_steps=[hit_bound[b] or b in cut_by_max_steps or cut_by_slots[b]
-                           for b in range(len(batch.calls))],
-            batch_decoder_calls=batch.batch_calls)
-
-    def _mark_cut(self, slots: list[list[int]], step: int, room: int) -> None:
-        """Mark CUT, in one example's tokens, those of its last call (`step`) past the `room` its
-        output had left: that call's tokens are kept in subsequence order while they fit (the empty
-        terminator's e takes no room, but is cut after a token that did not fit)."""
-        used = 0
-        for i, row in enumerate(slots):
-            offset = step - i * self.delay
-            if 0 <= offset < len(row) and row[offset] != NOT_PRODUCED:
-                used += not (offset == 0 and row[offset] == self.special.eos)
-                if used > room:
-                    row[offset] = CUT
-
-    def _subsequences(self, slots: list[list[int]], lengths: list[int]) -> list[list[int]]:
-        """One example's non-empty subsequences, in slot order: empty slots (the terminator,
-        failed explorations) and unstarted ones are left out."""
-        out = []
-        for tokens, length in zip(slots, lengths):
-            tokens = tokens[:length]
-            if tokens and tokens[-1] == self.special.eos:
-                tokens = tokens[:-1]
-            if tokens:
-                out.append(tokens)
-        return out
+            subsequences=[[without_end(tokens) for tokens in example.slots if without_end(tokens)]
+                          for example in examples],
+            decoder_calls=[example.calls for example in examples],
+            tokens=[sum(len(tokens) for tokens in example.slots) for example in examples],
+            hit_max_steps=[hit_bound(example) for example in examples],
+            batch_decoder_calls=batch_calls)
