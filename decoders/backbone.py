@@ -3,7 +3,7 @@ cache, and T5's decoder blocks run with a custom self-attention structure."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from transformers import T5ForConditionalGeneration
@@ -86,6 +86,27 @@ def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) ->
     `table[distance].permute(0, 3, 1, 2)` is `relative_position_bias(model, distance)`."""
     distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
     return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
+
+
+class HeadTable(NamedTuple):
+    """A per-head bias table laid out for one-op reads: `gather` turns (B, Q, K) indices into the
+    (B, heads, Q, K) biases table[h, origin + index] with one `take` from the flattened table,
+    where indexing by a head index and the indices costs twice as much at batch size 16 and more.
+    The result is contiguous, which T5's attention would otherwise copy in every layer."""
+
+    flat: torch.Tensor   # (heads * T,) the (heads, T) table, head after head
+    base: torch.Tensor   # (heads, 1, 1) h * T + origin: where head h's index 0 lies
+
+    @classmethod
+    def of(cls, table: torch.Tensor, origin: int = 0) -> "HeadTable":
+        """`table` (heads, T); index i reads its column origin + i."""
+        heads, width = table.shape
+        base = torch.arange(heads, device=table.device)[:, None, None] * width + origin
+        return cls(table.reshape(-1), base)
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """(B, Q, K) ints -> (B, heads, Q, K) biases."""
+        return self.flat.take(index[:, None] + self.base)
 
 
 def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,8 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from decoders.backbone import cross_attention_mask, encode, output_logits, past_distance_bias_table
+from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
+                               past_distance_bias_table)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import NOT_PRODUCED, LiveRows, read_back, split_flat_output
 
@@ -130,16 +131,15 @@ def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
 
 
 @functools.lru_cache(maxsize=16)
-def call_index_tables(heads: int, k: int, most_slots: int, device: torch.device):
-    """Index tables of a decode, made once per shape (they hold no weights): the head index
-    (heads, 1, 1) of the bias table, and for a call of Q fed tokens (1 at the first call, k after):
-    each token's fed index (Q,), fed index - slot (1, Q, most_slots) (the distances, once a row's
-    count is added) and Q itself (0-dim: "no end token among them")."""
+def call_index_tables(k: int, most_slots: int, device: torch.device):
+    """Index tables of a decode, made once per shape (they hold no weights): for a call of Q fed
+    tokens (1 at the first call, k after), each token's fed index (Q,), fed index - slot
+    (Q, most_slots) (the distances, once a row's count is added) and Q itself (0-dim: "no end
+    token among them")."""
     fed_offset = torch.arange(k, device=device)
-    query_minus_slot = (fed_offset[:, None] - torch.arange(most_slots, device=device))[None]
-    per_queries = {q: (fed_offset[:q], query_minus_slot[:, :q], torch.tensor(q, device=device))
-                   for q in (1, k)}
-    return torch.arange(heads, device=device)[:, None, None], per_queries
+    query_minus_slot = fed_offset[:, None] - torch.arange(most_slots, device=device)
+    return {q: (fed_offset[:q], query_minus_slot[:q], torch.tensor(q, device=device))
+            for q in (1, k)}
 
 
 @dataclass
@@ -211,14 +211,13 @@ class DraftAndVerifyDecoder(Decoder):
         drafts_state = self.begin_drafts(model, input_ids, attention_mask, encoder_states)
         # T5's bias of every distance a call can meet, made once; each call only gathers from it.
         # Query positions reach bound + k - 2; a slot in a query's future (a negative distance, down
-        # to -(bound + k)) indexes the hidden entries from the table's end.
+        # to -(bound + k)) reads a hidden entry, the dtype's lowest value.
         far = bound + k
         past = past_distance_bias_table(model, far)                 # (far + 1, heads): 0..far
-        table = torch.cat([past, past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)]).T
-        # indexed by head and distance, so that the gathered bias is contiguous: T5's attention
-        # would otherwise copy it in every layer
+        hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
+        table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
         most_slots = bound + k                  # a live row's count < bound, and it writes k slots
-        head, per_queries = call_index_tables(table.size(0), k, most_slots, device)
+        per_queries = call_index_tables(k, most_slots, device)
         rows = LiveRows(batch_size, device)
         row_index = rows.index                                       # (live,): 0..live-1
         origin = row_index[:, None]                                  # (live, 1): each live row's example
@@ -242,8 +241,8 @@ class DraftAndVerifyDecoder(Decoder):
             if writes.width > writes.capacity:
                 writes.capacity = min(most_slots, 2 * writes.width)
             writes.slots = count.view(-1, 1) + offsets                               # (live, Q) positions
-            distance = count.view(-1, 1, 1, 1) + distance_offsets[..., : writes.width]  # (live, 1, Q, W)
-            bias = table[head, distance]                                            # (live, heads, Q, W)
+            distance = count.view(-1, 1, 1) + distance_offsets[:, : writes.width]  # (live, Q, W)
+            bias = table.gather(distance)                                          # (live, heads, Q, W)
             hidden = run(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
             batch_calls += 1
 

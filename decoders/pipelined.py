@@ -63,7 +63,8 @@ from transformers.cache_utils import EncoderDecoderCache
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
-                               new_cache, output_logits, past_distance_bias_table, run_decoder)
+                               HeadTable, new_cache, output_logits, past_distance_bias_table,
+                               run_decoder)
 from decoders.base import DecodeOutput, Decoder
 from decoders.loop import LiveRows
 
@@ -105,27 +106,17 @@ class Grid(NamedTuple):
         return self.code.remainder(self.width)
 
 
-class StructureTable(NamedTuple):
-    """`structure_table`'s bias of every relative grid position, indexed by head and `Grid` code
-    difference, so that `attention_bias` gathers a contiguous (B, heads, Q, K) tensor: T5's
-    attention would otherwise copy it in every layer."""
-
-    bias: torch.Tensor    # (heads, 2 * reach + 1)
-    head: torch.Tensor    # (heads, 1, 1) every head's index
-
-
 def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
-                    offsets: int) -> StructureTable:
+                    offsets: int) -> HeadTable:
     """The self-attention bias of every relative grid position, computed once per forward or
     `generate` so that each call only gathers from it (`attention_bias`).
 
-    Its `bias` is (heads, 2 * reach + 1), reach = padding_index * width + offsets (`grid_width`):
-    entry [:, c] (for c < 0, as Python and torch index, [:, 2 * reach + 1 + c]) is the bias of a
-    key whose `Grid` code is c less than its query's, i.e. di subsequences and dj tokens before it
-    (c = di * width + dj, di in -padding_index..padding_index, dj in -offsets..offsets): T5's bias
-    of the Manhattan distance di + |dj| (`distance_bias[d]`, `base.past_distance_bias_table`)
-    where the key is visible (di >= 0 and its time ki*d + kj <= the query's, i.e.
-    di*d + dj >= 0), and the dtype's lowest value where it is not.
+    Index c (c in -reach..reach, reach = padding_index * width + offsets, `grid_width`) holds the
+    bias of a key whose `Grid` code is c less than its query's, i.e. di subsequences and dj tokens
+    before it (c = di * width + dj, di in -padding_index..padding_index, dj in -offsets..offsets):
+    T5's bias of the Manhattan distance di + |dj| (`distance_bias[d]`,
+    `backbone.past_distance_bias_table`) where the key is visible (di >= 0 and its time
+    ki*d + kj <= the query's, i.e. di*d + dj >= 0), and the dtype's lowest value where it is not.
     `distance_bias` must reach padding_index + offsets: a table too short for some distance fails
     here, rather than bias it as a nearer one."""
     width = grid_width(offsets)
@@ -136,16 +127,13 @@ def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
     visible = (di >= 0) & (di * delay + dj >= 0)                                       # (T,)
     bias = distance_bias[di.clamp(min=0) + dj.abs()]                                   # (T, heads)
     bias = bias.masked_fill(~visible[:, None], torch.finfo(bias.dtype).min)
-    # rolled so that a negative difference indexes from the end: a call adds no offset to its index
-    bias = bias.roll(-reach, 0).T.contiguous()                                         # (heads, T)
-    return StructureTable(bias, torch.arange(bias.size(0), device=bias.device)[:, None, None])
+    return HeadTable.of(bias.T, origin=reach)
 
 
-def attention_bias(table: StructureTable, query: Grid, key: Grid) -> torch.Tensor:
+def attention_bias(table: HeadTable, query: Grid, key: Grid) -> torch.Tensor:
     """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility,
     gathered from `structure_table`'s `table` (made for the grids' width) by code difference."""
-    difference = query.code[:, :, None] - key.code[:, None, :]                         # (B, Q, K)
-    return table.bias[table.head, difference[:, None]]
+    return table.gather(query.code[:, :, None] - key.code[:, None, :])               # (B, Q, K)
 
 
 # ---- decoding state ----------------------------------------------------------------------------
@@ -173,7 +161,7 @@ class Batch:
 
     model: T5ForConditionalGeneration
     run: Callable[..., torch.Tensor]   # what runs the decoder blocks (`Decoder.model_step`)
-    table: StructureTable        # `structure_table` of the slot and offset bounds
+    table: HeadTable             # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
     padding_code: int            # the `Grid` code of a padding column
     cache: EncoderDecoderCache
