@@ -89,10 +89,10 @@ def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) ->
 
 
 class HeadTable(NamedTuple):
-    """A per-head bias table laid out for one-op reads: `gather` turns (B, Q, K) indices into the
-    (B, heads, Q, K) biases table[h, origin + index] with one `take` from the flattened table,
-    where indexing by a head index and the indices costs twice as much at batch size 16 and more.
-    The result is contiguous, which T5's attention would otherwise copy in every layer."""
+    """A per-head bias table laid out for one-op reads: biases table[h, origin + i] for a tensor
+    of indices i are one `take` from the flattened table at i + base[h], which costs less than
+    indexing by head and position, the more so the larger the batch. The result is contiguous,
+    which T5's attention would otherwise copy in every layer."""
 
     flat: torch.Tensor   # (heads * T,) the (heads, T) table, head after head
     base: torch.Tensor   # (heads, 1, 1) h * T + origin: where head h's index 0 lies
@@ -104,9 +104,10 @@ class HeadTable(NamedTuple):
         base = torch.arange(heads, device=table.device)[:, None, None] * width + origin
         return cls(table.reshape(-1), base)
 
-    def gather(self, index: torch.Tensor) -> torch.Tensor:
-        """(B, Q, K) ints -> (B, heads, Q, K) biases."""
-        return self.flat.take(index[:, None] + self.base)
+    def gather(self, based: torch.Tensor) -> torch.Tensor:
+        """Biases at `based` = indices + `base`, e.g. (B, heads, Q, K): a loop adds the base where
+        it costs least (once per decode, or on the smaller operand)."""
+        return self.flat.take(based)
 
 
 def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

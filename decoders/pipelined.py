@@ -133,7 +133,9 @@ def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
 def attention_bias(table: HeadTable, query: Grid, key: Grid) -> torch.Tensor:
     """Self-attention bias (B, heads, Q, K) = T5 relative bias of the Manhattan distance + visibility,
     gathered from `structure_table`'s `table` (made for the grids' width) by code difference."""
-    return table.gather(query.code[:, :, None] - key.code[:, None, :])               # (B, Q, K)
+    batch = query.code.size(0)
+    based = query.code.view(batch, 1, -1, 1) + table.base                              # (B, heads, Q, 1)
+    return table.gather(based - key.code.view(batch, 1, 1, -1))
 
 
 # ---- decoding state ----------------------------------------------------------------------------
