@@ -3,11 +3,13 @@ cache, and T5's decoder blocks run with a custom self-attention structure."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.models.t5.modeling_t5 import T5Block
 
 
 def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
@@ -64,6 +66,10 @@ def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor)
 
 # Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
 STRUCTURED_ATTENTION = ("eager", "sdpa")
+# The name T5's blocks take the cache under: `cache` in the transformers versions that deprecate the
+# older `past_key_values` (which warn on every use, and will refuse it), `past_key_values` before.
+BLOCK_CACHE_ARGUMENT = ("cache" if "cache" in inspect.signature(T5Block.forward).parameters
+                        else "past_key_values")
 
 def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor,
                            bidirectional: bool = False) -> torch.Tensor:
@@ -153,7 +159,7 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     for block in decoder.block:
         hidden = block(hidden, attention_mask=self_bias, position_bias=no_extra_bias,
                        encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
-                       past_key_values=cache)[0]
+                       **{BLOCK_CACHE_ARGUMENT: cache})[0]
     return decoder.dropout(decoder.final_layer_norm(hidden))
 
 
