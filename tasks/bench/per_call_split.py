@@ -1,18 +1,25 @@
-"""Where a decoder's time goes at batch size 1, and the most its fewer calls can buy there.
+"""Where a decoder's time goes, and the most its fewer calls can buy, at batch size 1 or another.
 
     python -m tasks.bench.per_call_split sequential=S.ckpt pipelined=P.ckpt [--examples 100]
+        [--batch-size 1]
 
-Decodes the first test examples one by one (one thread, denormals flushed, after a warm-up; the
-median of 3 passes, the decoders interleaved in each pass), timing the encoder (`encode`, once per
-example), the decoder calls into the model (`run_decoder`, `output_logits`) and the rest of
-`generate` (the loop's own bookkeeping) separately.
+Decodes the first test examples in batches of `--batch-size` (one thread, denormals flushed,
+after a warm-up; the median of 5 passes, the decoders interleaved in each pass), timing the
+encoder (`encode`, once per batch), the decoder calls into the model (`run_decoder`,
+`output_logits`) and the rest of `generate` (the loop's own bookkeeping; for blockwise also its
+proposal heads' two matmuls, whose vocabulary projection is `output_logits`) separately. A call
+is one call of the batch (`DecodeOutput.batch_decoder_calls`).
 
 Against the first decoder (the reference, e.g. sequential) it prints each decoder's speedup and,
 as a share of its decoder-call ratio, beside a ceiling: the speedup it would have if each of its
 calls cost exactly what a reference call costs (model and loop). The encoder runs once per
-example whatever the decoder, so fewer calls cannot buy their full ratio: the ceiling is below
+batch whatever the decoder, so fewer calls cannot buy their full ratio: the ceiling is below
 100% by the encoder's share of the time. A CPU measurement: on a GPU the bookkeeping is queued
 kernel launches.
+
+Last, it times one model call (`run_decoder` and `output_logits`) of the reference checkpoint's
+model on the first batch, feeding 1 to 4 tokens per example after 8 cached ones: what a call
+costs per token fed on this machine.
 """
 import argparse
 import statistics
@@ -28,6 +35,7 @@ from tasks.test import restore_as_trained
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("checkpoints", nargs="+", metavar="NAME=PATH")
 parser.add_argument("--examples", type=int, default=100)
+parser.add_argument("--batch-size", type=int, default=1)
 args = parser.parse_args()
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)
@@ -52,29 +60,31 @@ decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
     built = restore_as_trained(path)
     examples = built.datamodule.dataset("test").examples[:args.examples]
-    decoders[name] = (built.module.eval(), [built.datamodule.collate([e]) for e in examples])
+    decoders[name] = (built.module.eval(), [built.datamodule.collate(examples[i:i + args.batch_size])
+                                            for i in range(0, len(examples), args.batch_size)])
 
 
-def one_pass(module, singles):
-    """(total, encode, model seconds, decoder calls) of decoding every example alone."""
+def one_pass(module, batches):
+    """(total, encode, model seconds, batch decoder calls) of decoding every batch."""
     seconds.update(encode=0.0, model=0.0)
     calls, started = 0, time.perf_counter()
     with torch.inference_mode():
-        for batch in singles:
+        for batch in batches:
             out = module.decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
-            calls += sum(out.decoder_calls)
+            calls += out.batch_decoder_calls
     return time.perf_counter() - started, seconds["encode"], seconds["model"], calls
 
 
-for name, (module, singles) in decoders.items():
-    one_pass(module, singles)   # warm-up
-passes = [{name: one_pass(*decoder) for name, decoder in decoders.items()} for _ in range(3)]
+print(f"batch size {args.batch_size}, {args.examples} examples at most")
+for name, (module, batches) in decoders.items():
+    one_pass(module, batches)   # warm-up
+passes = [{name: one_pass(*decoder) for name, decoder in decoders.items()} for _ in range(5)]
 parts = {name: [statistics.median(p[name][i] for p in passes) for i in range(4)] for name in decoders}
 reference = next(iter(parts))
 ref_total, ref_encode, _, ref_calls = parts[reference]
 ref_per_call = (ref_total - ref_encode) / ref_calls     # a reference call: model and loop
 for name, (total, encode, model, calls) in parts.items():
-    examples = len(decoders[name][1])
+    examples = sum(len(batch["input_ids"]) for batch in decoders[name][1])
     loop = total - encode - model
     line = (f"{name}: {calls / examples:.2f} calls/example, {1e3 * total / examples:.1f} ms/example "
             f"= encoder {1e3 * encode / examples:.1f} + calls {1e3 * (total - encode) / examples:.1f}; "
@@ -87,3 +97,32 @@ for name, (total, encode, model, calls) in parts.items():
         line += (f"; call ratio {ratio:.2f}, speedup {speedup:.2f}x ({speedup / ratio:.0%} of it), "
                  f"ceiling at {reference}'s cost per call {ceiling:.2f}x ({ceiling / ratio:.0%})")
     print(line)
+
+
+def model_call_seconds(module, batch, fed: int, cached: int = 8, repeats: int = 200) -> float:
+    """Median seconds of one model call of `batch`, feeding `fed` tokens per example (all visible)
+    after `cached` ones."""
+    model = module.backbone
+    encoder_states = backbone.encode(model, batch["input_ids"], batch["attention_mask"])
+    mask = backbone.cross_attention_mask(batch["attention_mask"], encoder_states.dtype)
+    rows, heads = len(encoder_states), model.config.num_heads
+    cache = backbone.new_cache()
+    backbone.run_decoder(model, torch.zeros(rows, cached, dtype=torch.long),
+                         torch.zeros(rows, heads, cached, cached), encoder_states, mask, cache)
+    tokens = torch.zeros(rows, fed, dtype=torch.long)
+    bias = torch.zeros(rows, heads, fed, cached + fed)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        backbone.output_logits(model, backbone.run_decoder(model, tokens, bias, encoder_states, mask,
+                                                           cache)).argmax(-1)
+        times.append(time.perf_counter() - started)
+        cache.self_attention_cache.crop(-fed)
+    return statistics.median(times)
+
+
+module, batches = decoders[reference]
+with torch.inference_mode():
+    by_fed = [model_call_seconds(module, batches[0], fed) for fed in (1, 2, 3, 4)]
+print(f"{reference}'s model, one call of the first batch feeding 1, 2, 3, 4 tokens per example: "
+      + ", ".join(f"{1e3 * seconds:.2f}" for seconds in by_fed) + " ms")
