@@ -6,9 +6,9 @@
 Decodes the first test examples in batches of `--batch-size` (one thread, denormals flushed,
 after a warm-up; the median of 5 passes, the decoders interleaved in each pass), timing the
 encoder (`encode`, once per batch), the decoder calls into the model (`run_decoder`,
-`output_logits`) and the rest of `generate` (the loop's own bookkeeping; for blockwise also its
-proposal heads' two matmuls, whose vocabulary projection is `output_logits`) separately. A call
-is one call of the batch (`DecodeOutput.batch_decoder_calls`).
+`output_logits`), blockwise's proposal heads (`proposal_logits`, their vocabulary projection
+included) and the rest of `generate` (the loop's own bookkeeping) separately. A call is one call
+of the batch (`DecodeOutput.batch_decoder_calls`).
 
 Against the first decoder (the reference, e.g. sequential) it prints each decoder's speedup and,
 as a share of its decoder-call ratio, beside a ceiling: the speedup it would have if each of its
@@ -28,6 +28,7 @@ import time
 import torch
 
 import decoders.backbone as backbone
+from decoders.blockwise import BlockwiseDecoder
 from tasks.bench import replace_backbone_calls
 from tasks.comparison.plan import parse_checkpoints
 from tasks.test import restore_as_trained
@@ -40,21 +41,28 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)
 
-seconds = {"encode": 0.0, "model": 0.0}
+seconds = {"encode": 0.0, "model": 0.0, "heads": 0.0}
+timing: list[str] = []   # the part being timed: a timed call inside it is that part's time
 
 
 def timed(function, part):
     def wrapper(*a, **k):
+        if timing:
+            return function(*a, **k)
+        timing.append(part)
         started = time.perf_counter()
         try:
             return function(*a, **k)
         finally:
             seconds[part] += time.perf_counter() - started
+            timing.pop()
     return wrapper
 
 
 replace_backbone_calls({function: timed(getattr(backbone, function), part) for function, part in
                         (("run_decoder", "model"), ("output_logits", "model"), ("encode", "encode"))})
+# blockwise's proposal heads, their vocabulary projection included
+BlockwiseDecoder.proposal_logits = timed(BlockwiseDecoder.proposal_logits, "heads")
 
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
@@ -65,31 +73,32 @@ for name, path in parse_checkpoints(args.checkpoints).items():
 
 
 def one_pass(module, batches):
-    """(total, encode, model seconds, batch decoder calls) of decoding every batch."""
-    seconds.update(encode=0.0, model=0.0)
+    """(total, encode, model, heads seconds, batch decoder calls) of decoding every batch."""
+    seconds.update(encode=0.0, model=0.0, heads=0.0)
     calls, started = 0, time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
             out = module.decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
             calls += out.batch_decoder_calls
-    return time.perf_counter() - started, seconds["encode"], seconds["model"], calls
+    return time.perf_counter() - started, seconds["encode"], seconds["model"], seconds["heads"], calls
 
 
 print(f"batch size {args.batch_size}, {args.examples} examples at most")
 for name, (module, batches) in decoders.items():
     one_pass(module, batches)   # warm-up
 passes = [{name: one_pass(*decoder) for name, decoder in decoders.items()} for _ in range(5)]
-parts = {name: [statistics.median(p[name][i] for p in passes) for i in range(4)] for name in decoders}
+parts = {name: [statistics.median(p[name][i] for p in passes) for i in range(5)] for name in decoders}
 reference = next(iter(parts))
-ref_total, ref_encode, _, ref_calls = parts[reference]
+ref_total, ref_encode, _, _, ref_calls = parts[reference]
 ref_per_call = (ref_total - ref_encode) / ref_calls     # a reference call: model and loop
-for name, (total, encode, model, calls) in parts.items():
+for name, (total, encode, model, heads, calls) in parts.items():
     examples = sum(len(batch["input_ids"]) for batch in decoders[name][1])
-    loop = total - encode - model
+    loop = total - encode - model - heads
     line = (f"{name}: {calls / examples:.2f} calls/example, {1e3 * total / examples:.1f} ms/example "
             f"= encoder {1e3 * encode / examples:.1f} + calls {1e3 * (total - encode) / examples:.1f}; "
             f"per call {1e3 * (total - encode) / calls:.2f} ms = model {1e3 * model / calls:.2f} "
-            f"+ loop {1e3 * loop / calls:.2f}")
+            + (f"+ heads {1e3 * heads / calls:.2f} " if heads else "")
+            + f"+ loop {1e3 * loop / calls:.2f}")
     if name != reference:
         ratio = ref_calls / calls
         speedup = ref_total / total
