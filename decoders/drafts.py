@@ -217,8 +217,9 @@ class DraftAndVerifyDecoder(Decoder):
         hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
         table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
         most_slots = bound + k                  # a live row's count < bound, and it writes k slots
-        per_queries = {queries: (fed_offset, table.base + distance_offsets, no_end)  # (heads, Q, slots)
-                       for queries, (fed_offset, distance_offsets, no_end)
+        # the distances with each head's base added: a call adds its rows' counts and reads
+        per_queries = {queries: (fed_offset, table.base + query_minus_slot, no_end)  # (heads, Q, slots)
+                       for queries, (fed_offset, query_minus_slot, no_end)
                        in call_index_tables(k, most_slots, device).items()}
         rows = LiveRows(batch_size, device)
         row_index = rows.index                                       # (live,): 0..live-1
@@ -238,13 +239,13 @@ class DraftAndVerifyDecoder(Decoder):
         run = self.model_step()
         while True:
             queries = fed.size(1)
-            offsets, distance_offsets, no_end = per_queries[queries]
+            offsets, based_offsets, no_end = per_queries[queries]
             writes.width = max(counts) + queries
             if writes.width > writes.capacity:
                 writes.capacity = min(most_slots, 2 * writes.width)
             writes.slots = count.view(-1, 1) + offsets                               # (live, Q) positions
-            distance = count.view(-1, 1, 1, 1) + distance_offsets[..., : writes.width]  # (live, heads, Q, W)
-            bias = table.gather(distance)                                           # (live, heads, Q, W)
+            based = count.view(-1, 1, 1, 1) + based_offsets[..., : writes.width]     # (live, heads, Q, W)
+            bias = table.gather(based)                                              # (live, heads, Q, W)
             hidden = run(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
             batch_calls += 1
 

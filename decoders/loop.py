@@ -73,6 +73,15 @@ class LiveRows:
         """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
         return values.tolist()
 
+    def send(self, values: list) -> torch.Tensor:
+        """Host values (nested lists of ints) as a tensor on the batch's device, in one copy that
+        waits for nothing: on a GPU it goes from pinned memory, asynchronously, behind the work
+        already queued (a plain copy from the host would wait for that work to finish)."""
+        device = self.index.device
+        if device.type != "cuda":
+            return torch.tensor(values, device=device)
+        return torch.tensor(values).pin_memory().to(device, non_blocking=True)
+
     def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
         """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
         the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept
@@ -82,8 +91,7 @@ class LiveRows:
         kept = [row for row, d in enumerate(done) if not d]
         self.kept = kept
         if len(kept) < len(done):
-            # right after the read-back nothing is queued, so this host -> device copy waits for nothing
-            keep = torch.tensor(kept, device=self.index.device)
+            keep = self.send(kept)
             self.index = self.index[keep]
             if cache is not None:
                 cache.batch_select_indices(keep)

@@ -182,7 +182,7 @@ class Batch:
         if key not in self.cells_by_counts:
             cells = [[b for b, count in enumerate(running) for _ in range(count)],
                      [c for count in running for c in range(count)]]
-            self.cells_by_counts[key] = torch.tensor(cells, device=self.keys.device).unbind(0)
+            self.cells_by_counts[key] = self.rows.send(cells).unbind(0)
         return self.cells_by_counts[key]
 
 
@@ -288,11 +288,11 @@ class PipelinedDecoder(Decoder):
         Host syncs: one per decoder call, the read-back of its tokens (`LiveRows.read`). The
         decode's state is then the host's (`Example`): which slots run, their tokens, the output
         bound, which examples are done. From it the host builds the next call's tokens and grid
-        positions and sends them in one copy, right after the read, when nothing is queued for
-        it to wait for (but at the first call, which waits for the encoder). On the device a call
-        is then only the keys' append, one bias gather, the model and the argmax: on a GPU every
-        op is a kernel launch, and at batch size 1 on a CPU the ops around the model are what a
-        call costs beyond sequential's, so there are as few as possible (`tasks.bench.op_counts`).
+        positions and sends them in one copy that waits for nothing (`LiveRows.send`). On the
+        device a call is then only the keys' append, one bias gather, the model and the argmax: on
+        a GPU every op is a kernel launch, and at batch size 1 on a CPU the ops around the model
+        are what a call costs beyond sequential's, so there are as few as possible
+        (`tasks.bench.op_counts`).
         """
         examples = [Example(room=self.max_length) for _ in range(input_ids.size(0))]
         batch = self._start(model, input_ids, attention_mask, examples)
@@ -360,10 +360,9 @@ class PipelinedDecoder(Decoder):
                          + [batch.padding_code] * padding)
             example.calls += bool(example.running)
             example.fed += len(example.running)
-        # only the running columns get vocabulary logits; the indices of some of the columns come
-        # from the host like the inputs, before this call's work is queued
+        # only the running columns get vocabulary logits: all of them, or those `running_cells` names
         cells = None if sum(running) == columns * len(running) else batch.running_cells(running)
-        token, query = torch.tensor([tokens, codes], device=batch.keys.device).unbind(0)  # (B', R)
+        token, query = batch.rows.send([tokens, codes]).unbind(0)                      # (B', R) each
         batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
         bias = attention_bias(batch.table, Grid(query, width), Grid(batch.keys, width))
         hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
