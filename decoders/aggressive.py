@@ -38,6 +38,7 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.backbone import cross_attention_mask, encode
 from decoders.drafts import DraftAndVerifyDecoder, Verified
+from decoders.loop import send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
 
@@ -172,10 +173,9 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
                      for prefix, length in zip(given, new_lengths))
         width = max(new_lengths)
         device = verified.count.device
-        rows_t = torch.tensor(rows, device=device)
+        rows_t, lengths_t = send([rows, new_lengths], device)
         redrafted = verified.origin.view(-1)[rows_t]
         given_t = verified.count[rows_t]
-        lengths_t = torch.tensor(new_lengths, device=device)
         positions = torch.arange(width, device=device)[None, :]
         # the verified prefix lies within the loop's columns (a row that goes on has count < bound)
         produced = verified.produced[redrafted]                       # (rows, columns of the loop)

@@ -54,6 +54,15 @@ def _nested(flat: list, shape: list[int]) -> list:
     return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
+def send(values: list, device: torch.device) -> torch.Tensor:
+    """Host values (nested lists of ints) as a tensor on `device`, in one copy that waits for
+    nothing: on a GPU it goes from pinned memory, asynchronously, behind the work already queued
+    (a plain copy from the host would wait for that work to finish)."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values).pin_memory().to(device, non_blocking=True)
+
+
 class LiveRows:
     """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
 
@@ -73,14 +82,6 @@ class LiveRows:
         """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
         return values.tolist()
 
-    def send(self, values: list) -> torch.Tensor:
-        """Host values (nested lists of ints) as a tensor on the batch's device, in one copy that
-        waits for nothing: on a GPU it goes from pinned memory, asynchronously, behind the work
-        already queued (a plain copy from the host would wait for that work to finish)."""
-        device = self.index.device
-        if device.type != "cuda":
-            return torch.tensor(values, device=device)
-        return torch.tensor(values).pin_memory().to(device, non_blocking=True)
 
     def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
         """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
@@ -91,7 +92,7 @@ class LiveRows:
         kept = [row for row, d in enumerate(done) if not d]
         self.kept = kept
         if len(kept) < len(done):
-            keep = self.send(kept)
+            keep = send(kept, self.index.device)
             self.index = self.index[keep]
             if cache is not None:
                 cache.batch_select_indices(keep)

@@ -66,7 +66,7 @@ from decoders.backbone import (cross_attention_mask, encode, gather_self_attenti
                                HeadTable, new_cache, output_logits, past_distance_bias_table,
                                run_decoder)
 from decoders.base import DecodeOutput, Decoder
-from decoders.loop import LiveRows
+from decoders.loop import LiveRows, send
 
 # the stopping rules (module docstring)
 FIRST_EMPTY, ALL_END = "first_empty", "all_end"
@@ -182,7 +182,7 @@ class Batch:
         if key not in self.cells_by_counts:
             cells = [[b for b, count in enumerate(running) for _ in range(count)],
                      [c for count in running for c in range(count)]]
-            self.cells_by_counts[key] = self.rows.send(cells).unbind(0)
+            self.cells_by_counts[key] = send(cells, self.keys.device).unbind(0)
         return self.cells_by_counts[key]
 
 
@@ -288,7 +288,7 @@ class PipelinedDecoder(Decoder):
         Host syncs: one per decoder call, the read-back of its tokens (`LiveRows.read`). The
         decode's state is then the host's (`Example`): which slots run, their tokens, the output
         bound, which examples are done. From it the host builds the next call's tokens and grid
-        positions and sends them in one copy that waits for nothing (`LiveRows.send`). On the
+        positions and sends them in one copy that waits for nothing (`loop.send`). On the
         device a call is then only the keys' append, one bias gather, the model and the argmax: on
         a GPU every op is a kernel launch, and at batch size 1 on a CPU the ops around the model
         are what a call costs beyond sequential's, so there are as few as possible
@@ -362,7 +362,7 @@ class PipelinedDecoder(Decoder):
             example.fed += len(example.running)
         # only the running columns get vocabulary logits: all of them, or those `running_cells` names
         cells = None if sum(running) == columns * len(running) else batch.running_cells(running)
-        token, query = batch.rows.send([tokens, codes]).unbind(0)                      # (B', R) each
+        token, query = send([tokens, codes], batch.keys.device).unbind(0)               # (B', R) each
         batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
         bias = attention_bias(batch.table, Grid(query, width), Grid(batch.keys, width))
         hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,

@@ -1,15 +1,14 @@
-"""`decoders.loop.LiveRows.send`: a loop's host values reach the batch's device in one copy, which
-on a GPU must not wait for the work already queued there."""
+"""`decoders.loop`: host values reach the batch's device in one copy (`send`), which on a GPU must
+not wait for the work already queued there; `LiveRows` drops finished rows."""
 import pytest
 import torch
 
-from decoders.loop import LiveRows
+from decoders.loop import LiveRows, send
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_send_puts_host_values_on_the_batch_device(device):
-    rows = LiveRows(2, torch.device(device))
-    sent = rows.send([[3, 1, 4], [1, 5, 9]])
+def test_send_puts_host_values_on_the_device(device):
+    sent = send([[3, 1, 4], [1, 5, 9]], torch.device(device))
     assert sent.device.type == device
     assert (sent.shape, sent.dtype) == (torch.Size([2, 3]), torch.long)
     if device == "cpu":
@@ -27,10 +26,9 @@ def test_dropped_rows_leave_every_row_tensor_and_the_index():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_send_does_not_synchronize_on_cuda():
-    rows = LiveRows(2, torch.device("cuda"))
     torch.cuda.set_sync_debug_mode("error")   # a synchronizing call raises
     try:
-        sent = rows.send([[2, 7], [1, 8]])
+        sent = send([[2, 7], [1, 8]], torch.device("cuda"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sent.device.type == "cuda" and sent.tolist() == [[2, 7], [1, 8]]
