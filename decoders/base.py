@@ -91,6 +91,12 @@ class Decoder(nn.Module, abc.ABC):
         self.special = special
 
     @classmethod
+    def decode_only_options(cls) -> tuple[str, ...]:
+        """Every option a trained model can be decoded with any value of: the decoder's own
+        `decode_options` and the `shared_decode_options`."""
+        return cls.decode_options + cls.shared_decode_options
+
+    @classmethod
     def options_problem(cls, options: Mapping[str, Any]) -> str | None:
         """The message for the first of `options` outside its `option_ranges` entry (naming
         `decoder.<option>`, the allowed values and the value), or None if all are allowed."""

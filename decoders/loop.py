@@ -82,7 +82,6 @@ class LiveRows:
         """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
         return values.tolist()
 
-
     def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
         """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
         the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept

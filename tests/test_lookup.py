@@ -310,8 +310,7 @@ def test_yaml_options_are_the_constructor_arguments():
                        "compile": False}
     decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
     assert (decoder.draft_width, decoder.match) == (4, 1)
-    kind = decoder_class("lookup")
-    assert set(kind.decode_options + kind.shared_decode_options) == set(options)
+    assert set(decoder_class("lookup").decode_only_options()) == set(options)
 
 
 def test_it_decodes_what_sequential_trains_and_trains_nothing():

@@ -223,8 +223,7 @@ def training_label(cfg: DictConfig, from_sequential: bool, loaded: bool) -> str:
 
 def training_key(cfg: DictConfig) -> str:
     """Rows that differ only in decode-time options share one trained model."""
-    kind = decoder_class(cfg.decoder.name)
-    decode_only = kind.decode_options + kind.shared_decode_options
+    decode_only = decoder_class(cfg.decoder.name).decode_only_options()
     trained = {k: v for k, v in cfg.decoder.items() if k not in decode_only}
     rest = {k: v for k, v in cfg.items() if k != "decoder"}
     return json.dumps([trained, OmegaConf.to_container(OmegaConf.create(rest), resolve=True)],
@@ -243,8 +242,7 @@ def check_checkpoint(checkpoint: dict, path: str, cfg: DictConfig) -> None:
     each key with its value in the checkpoint and in the plan."""
     check_decoder(checkpoint, f"--ckpt {cfg.decoder.name}={path}", cfg.decoder.name)
     stored_decoder = checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"]
-    kind = decoder_class(cfg.decoder.name)
-    decode_only = kind.decode_options + kind.shared_decode_options
+    decode_only = decoder_class(cfg.decoder.name).decode_only_options()
 
     def compared(key: str) -> bool:
         group, _, option = key.partition(".")
