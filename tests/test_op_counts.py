@@ -68,3 +68,15 @@ def test_command_counts_every_decoder(tmp_path, capsys):
         # one token per call with a bias gathered from a table, against the bookkeeping of
         # several subsequences per call
         assert rows["sequential"]["loop_per_call"] < rows["pipelined"]["loop_per_call"], batch_size
+
+
+@pytest.mark.slow   # every decoder at the command's own settings: most of a minute
+def test_the_parallel_decoders_loops_stay_within_their_op_bounds(tmp_path):
+    """At the settings results/op_counts.md is made with (batch sizes 1 and 8, every bound 32),
+    pipelined's and blockwise's loops run at most 40 ops per decoder call and nar's at most 60
+    (docs/performance.md): a loop that grows past them fails here, not only in the table."""
+    result = op_counts.main(["--out", str(tmp_path / "ops.json")])
+    assert {str(batch_size) for batch_size in result} == {"1", "8"}
+    for batch_size, rows in result.items():
+        for name, bound in (("pipelined", 40), ("blockwise", 40), ("nar", 60)):
+            assert rows[name]["loop_per_call"] <= bound, (name, batch_size, rows[name]["loop_per_call"])
