@@ -86,6 +86,16 @@ def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
     return kept
 
 
+def encode_targets(tokenizer, texts: list[str], data: DictConfig,
+                   report: DataReport) -> list[list[int]]:
+    """One example's target subsequences (`texts`) as the decoders train on them: each tokenized
+    without special tokens, then cut to `data`'s limits (`fit_targets`, counted in `report`).
+    Outputs scored beside the decoders' (tasks.baselines) are cut this way too."""
+    subsequences = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return fit_targets(subsequences, data.max_target_length, data.max_subsequences,
+                       data.max_subsequence_length, report)
+
+
 def encode_sources(tokenizer, task: str, records: list[dict],
                    max_source_length: int) -> tuple[list[list[int]], int]:
     """Each record's source text as the encoder reads it: its token ids, cut to
@@ -176,10 +186,8 @@ class SubsequenceDataModule(L.LightningDataModule):
             report.empty_sources += not has_source(self.task, record)
             texts = target_texts(self.task, record)
             report.empty_targets += not texts
-            subsequences = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-            targets = fit_targets(subsequences, self.data.max_target_length,
-                                  self.data.max_subsequences, self.data.max_subsequence_length, report)
-            examples.append(Encoded(index, source, targets))
+            examples.append(Encoded(index, source, encode_targets(self.tokenizer, texts, self.data,
+                                                                  report)))
         return examples, report
 
     # -- batches ----------------------------------------------------------------------------------

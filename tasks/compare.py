@@ -21,8 +21,15 @@ prepared beforehand. Timing runs on the device and in the precision the trainer 
 denormal floats flushed to zero on a CPU. Peak memory is taken in a
 separate pass at the eval batch size (CUDA: max allocated; CPU: the C heap in use, sampled every
 millisecond), over its level before the decode. The device and the flushing are recorded with the
-results. Writes FILE.json, FILE.md and two plots next to them (and, per swept option, quality and
-speedup against its value).
+results.
+
+The task's trivial baselines (`tasks.baselines`: the most frequent training target; the most
+frequent target strings, or the document's first sentences) are scored on the same test split, with
+the same tokenizer and data limits, and shown after the rows (`baseline: constant`, ...). A row
+whose primary quality is not above the best baseline's, or whose outputs mostly run to a length
+bound, is marked not learned and gets no speedup (`tasks.comparison.report.judge`). Writes
+FILE.json (`rows`, `baselines`), FILE.md and two plots next to them (and, per swept option, quality
+and speedup against its value).
 
 A decoder that trains nothing (lookup, aggressive: `Decoder.trains_nothing`) decodes the sequential
 row's tested model as it is; without a sequential row or a --ckpt checkpoint for it, the comparison
@@ -33,7 +40,8 @@ one). A row whose options relax exact verification (top_k > 1) is labelled inexa
 In MLflow the comparison is one run, created before any row is fitted, with every row's run nested
 under it (`mlflow.parentRunId`), all tagged with one comparison id. It holds the table, its JSON and
 the plots as artifacts, the conditions of the timing as parameters, and per row (`<label>/...`) the
-shown quality, the speedups and the decoder calls per example as metrics. A failure or Ctrl-C
+shown quality, the speedups and the decoder calls per example as metrics, and per baseline
+(`baseline_constant/...`) its shown quality. A failure or Ctrl-C
 anywhere marks it FAILED or KILLED. Links to it and to the rows side by side in the MLflow UI are
 printed at the end.
 """
@@ -50,6 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder, decoder_class
+from tasks.baselines import scored_baselines
 from tasks.comparison.measure import measure_speed
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, check_drafters, on_sequential,
                                    parse_checkpoints, parse_decoders, parse_sweeps, plan,
@@ -258,7 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
         rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher])
         timing = measure_speed(rows, target, cfg.eval.batch_size, args.repeats, args.speed_examples)
-        result = report(rows, cfg, torch.get_num_threads(), timing)
+        # on the rows' test split, through their tokenizer and data limits (the first row's data)
+        baselines = [entry for entry, _ in scored_baselines(cfg, rows[0].datamodule)]
+        result = report(rows, cfg, torch.get_num_threads(), timing, baselines)
         conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
         log_speeds(rows, result, conditions)
         table, written = write_results(args.out, rows, result)

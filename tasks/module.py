@@ -3,7 +3,8 @@
 The base knows nothing about a particular decoder: it asks the decoder for the layout and the loss
 while training, and for `generate` while validating or testing; it turns the generated token ids
 back into text and hands texts to the task's metrics. A task subclass only says which metrics it
-reports and how a record's fields feed them.
+reports and how a record's fields feed them, both without a model, so that outputs no model wrote
+(the baselines of `tasks.baselines`) are scored exactly as a decoder's are (`task_scores`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import move_data_to_device
 from omegaconf import DictConfig, OmegaConf
+from torchmetrics import Metric
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
@@ -30,6 +32,9 @@ from decoders.base import Decoder
 from tasks.metrics import KeyphraseF1, MultiSpanMatch, Rouge
 
 log = logging.getLogger("tasks")
+
+# the share of a decoding pass's outputs cut by a decoder bound from which a fit or test warns
+BOUND_WARNING_SHARE = 0.05
 
 
 def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
@@ -50,7 +55,7 @@ def timed_generate(decoder: Decoder, model, input_ids: torch.Tensor,
 def subsequence_texts(tokenizer, subsequences: list[list[list[int]]]) -> list[list[str]]:
     """Per example, its subsequences' token ids as the text the metrics score: each decoded without
     special tokens and stripped, the empty ones dropped. Anything scored beside the decoders'
-    outputs (tasks.experiments.baselines) goes through this too."""
+    outputs (tasks.baselines) goes through this too."""
     texts = [[tokenizer.decode(sub, skip_special_tokens=True).strip() for sub in subs]
              for subs in subsequences]
     return [[text for text in subs if text] for subs in texts]
@@ -153,14 +158,18 @@ class GenerationTask(BackboneTraining):
 
     def __init__(self, cfg: DictConfig, backbone, decoder: Decoder, tokenizer):
         super().__init__(cfg, backbone, decoder, tokenizer)
-        self.metrics = torch.nn.ModuleDict(self.make_metrics())
+        self.metrics = torch.nn.ModuleDict(self.make_metrics(cfg, tokenizer))
         self.telemetry = DecodeTelemetry()
+        self.bound_hits: dict[str, tuple[int, int]] = {}  # split -> (outputs cut by a bound, examples)
 
-    # -- what a task defines -------------------------------------------------------------------
-    def make_metrics(self) -> dict[str, torch.nn.Module]:
+    # -- what a task defines: functions of the configuration and the data alone (`task_scores`) --
+    @staticmethod
+    def make_metrics(cfg: DictConfig, tokenizer) -> dict[str, Metric]:
         raise NotImplementedError
 
-    def update_metrics(self, predictions: list[list[str]], records: list[dict]) -> None:
+    @staticmethod
+    def update_metrics(metrics: dict[str, Metric], predictions: list[list[str]],
+                       records: list[dict]) -> None:
         raise NotImplementedError
 
     # -- decoding and scoring ------------------------------------------------------------------
@@ -199,7 +208,7 @@ class GenerationTask(BackboneTraining):
     def _eval_step(self, batch, split: str) -> None:
         predictions = self.decode_batch(batch)
         records = self.trainer.datamodule.records(split)
-        self.update_metrics(predictions, [records[i] for i in batch["index"].tolist()])
+        self.update_metrics(self.metrics, predictions, [records[i] for i in batch["index"].tolist()])
 
     def _eval_start(self) -> None:
         for metric in self.metrics.values():
@@ -221,11 +230,7 @@ class GenerationTask(BackboneTraining):
             dist.all_gather_object(parts, self.telemetry)
             self.telemetry = DecodeTelemetry.merged(parts)
         scores = {**self.quality_scores, **self.telemetry.summary()}
-        if scores["max_steps_hit"]:
-            log.warning("%s: %d of %d examples reached one of the decoder's length or step bounds "
-                        "before ending by themselves; their outputs may be cut (see the decoder's "
-                        "max_* options)", split,
-                        int(scores["max_steps_hit"]), len(self.telemetry.rows))
+        self.bound_hits[split] = int(scores["max_steps_hit"]), len(self.telemetry.rows)
         # The values are already whole-split ones, equal on every process: reducing them with
         # "max" keeps them exact (and stops Lightning advising to reduce epoch-level values).
         self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=True, reduce_fx="max")
@@ -248,6 +253,20 @@ class GenerationTask(BackboneTraining):
 
     def on_test_epoch_end(self):
         self.test_scores = self._eval_end("test")
+        self.warn_bound_hits("test")
+
+    def on_fit_end(self):
+        self.warn_bound_hits("val")  # the last validation's: once per fit, not once per epoch
+
+    def warn_bound_hits(self, split: str) -> None:
+        """One warning when at least BOUND_WARNING_SHARE of the last `split` pass's outputs were
+        stopped by a decoder bound instead of their own end token (each pass logs the count as
+        `<split>/max_steps_hit`)."""
+        hits, examples = self.bound_hits.get(split, (0, 0))
+        if examples and hits / examples >= BOUND_WARNING_SHARE and self.global_rank == 0:
+            log.warning("%s: %d of %d examples reached one of the decoder's length or step bounds "
+                        "before ending by themselves; their outputs may be cut (see the decoder's "
+                        "max_* options)", split, hits, examples)
 
     def prediction_rows(self, split: str) -> list[dict]:
         """The predictions of the last decoding pass, in dataset order, with targets and telemetry."""
@@ -259,46 +278,64 @@ class GenerationTask(BackboneTraining):
 class KeyphraseTask(GenerationTask):
     primary_metric = "val/present_f1_at_M"
 
-    def make_metrics(self):
-        return {"keyphrase": KeyphraseF1(unk_token=self.tokenizer.unk_token)}
+    @staticmethod
+    def make_metrics(cfg, tokenizer):
+        return {"keyphrase": KeyphraseF1(unk_token=tokenizer.unk_token)}
 
-    def update_metrics(self, predictions, records):
+    @staticmethod
+    def update_metrics(metrics, predictions, records):
         source = schema_for("keyphrase").source_text
-        self.metrics["keyphrase"].update(preds=predictions,
-                                         targets=[target_texts("keyphrase", r) for r in records],
-                                         sources=[source(r) for r in records],
-                                         aliases=[r.get("aliases", {}) for r in records])
+        metrics["keyphrase"].update(preds=predictions,
+                                    targets=[target_texts("keyphrase", r) for r in records],
+                                    sources=[source(r) for r in records],
+                                    aliases=[r.get("aliases", {}) for r in records])
 
 
 class QATask(GenerationTask):
     primary_metric = "val/em_f1"
 
-    def make_metrics(self):
+    @staticmethod
+    def make_metrics(cfg, tokenizer):
         metrics = {"span": MultiSpanMatch()}
-        if self.cfg.task.level == "sentence":
+        if cfg.task.level == "sentence":
             metrics["rouge"] = Rouge()
         return metrics
 
-    def update_metrics(self, predictions, records):
+    @staticmethod
+    def update_metrics(metrics, predictions, records):
         targets = [target_texts("qa", r) for r in records]
-        for metric in self.metrics.values():
+        for metric in metrics.values():
             metric.update(preds=predictions, targets=targets)
 
 
 class SummarizationTask(GenerationTask):
     primary_metric = "val/rougeL"
 
-    def make_metrics(self):
+    @staticmethod
+    def make_metrics(cfg, tokenizer):
         return {"rouge": Rouge()}
 
-    def update_metrics(self, predictions, records):
-        self.metrics["rouge"].update(preds=predictions,
-                                     targets=[target_texts("summarization", r) for r in records])
+    @staticmethod
+    def update_metrics(metrics, predictions, records):
+        metrics["rouge"].update(preds=predictions,
+                                targets=[target_texts("summarization", r) for r in records])
 
 
 TASK_MODULES: dict[str, type[GenerationTask]] = {
     "keyphrase": KeyphraseTask, "qa": QATask, "summarization": SummarizationTask,
 }
+
+
+def task_scores(cfg: DictConfig, tokenizer, predictions: list[list[str]],
+                records: list[dict]) -> dict[str, float]:
+    """The quality scores of `predictions` (per record of `records`, its subsequences as text, as
+    `subsequence_texts` gives them) under `cfg`'s task: its module's metrics, fed as its module
+    feeds them, on one process. What needs no model (tasks.baselines) is scored through this."""
+    task = TASK_MODULES[cfg.task.name]
+    metrics = task.make_metrics(cfg, tokenizer)
+    task.update_metrics(metrics, predictions, records)
+    return {key: float(value) for metric in metrics.values()
+            for key, value in metric.compute().items()}
 
 
 def write_jsonl(rows: list[dict], path) -> None:

@@ -319,6 +319,20 @@ def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_pat
                                                              tmp_path / row["decoder"])]
                  for row in (sequential, lookup)]
     assert predicted[0] == predicted[1] and sequential["quality"] == lookup["quality"]
+    # the task's baselines, scored on the same test split with the rows' metrics, after the rows
+    assert result["test_examples"] == 8
+    assert [(b["baseline"], b["label"], b["examples"]) for b in result["baselines"]] == [
+        ("constant", "baseline: constant", 8), ("frequent", "baseline: frequent", 8)]
+    for baseline in result["baselines"]:
+        assert baseline["quality"].keys() == sequential["quality"].keys()
+        assert baseline["definition"]["output"]
+    rows = (tmp_path / "cmp.md").read_text().split("\n\n")[1].splitlines()  # the main table
+    assert [row.split(" | ")[1] for row in rows[-2:]] == ["baseline"] * 2
+    assert rows[-1].startswith("| baseline: frequent | baseline | ") and rows[-1].endswith(" – |")
+    assert json.loads((tmp_path / "cmp.json").read_text())["baselines"] == result["baselines"]
+    comparison = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert comparison.data.metrics["baseline_constant/present_f1_at_M"] == pytest.approx(
+        result["baselines"][0]["quality"]["present_f1_at_M"])
 
 
 def test_a_jointly_trained_blockwise_checkpoint_is_checked_against_the_frozen_default(
@@ -411,9 +425,9 @@ def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
 
 # ---- rows that learned nothing --------------------------------------------------------------------
 
-def judged_rows(*rows: tuple[str, float, int]) -> dict:
+def judged_rows(*rows: tuple[str, float, int], baselines: dict[str, float] | None = None) -> dict:
     """A keyphrase comparison's JSON with rows (decoder, present F1@M, bound hits of 10), examples/s
-    10 for sequential and 20 for the others, judged."""
+    10 for sequential and 20 for the others, and `baselines` (name: present F1@M), judged."""
     def entry(decoder: str, quality: float, hits: int) -> dict:
         speed = 10.0 if decoder == "sequential" else 20.0
         return {"decoder": decoder, "label": decoder, "training": "own", "options": {},
@@ -423,12 +437,38 @@ def judged_rows(*rows: tuple[str, float, int]) -> dict:
                 "reference_calls_per_example": 3.0, "tokens_per_call": 1.0, "bound_hits": hits,
                 "bound_hit_fraction": hits / 10, "peak_memory_mb": 1.0, "trained_parameters": 5,
                 "fit_seconds": 1.0}
-    return judge({"task": "keyphrase", "data": "builtin", "model": "t5-tiny", "device": "cpu",
-                  "threads": 1, "flush_denormal": True, "eval_batch_size": 4,
-                  "memory": "heap", "rows": [entry(*row) for row in rows]})
+    result = {"task": "keyphrase", "data": "builtin", "model": "t5-tiny", "device": "cpu",
+              "threads": 1, "flush_denormal": True, "eval_batch_size": 4,
+              "memory": "heap", "rows": [entry(*row) for row in rows]}
+    if baselines is not None:
+        result["baselines"] = [baseline_entry(name, quality) for name, quality in baselines.items()]
+    return judge(result)
 
 
-def test_a_row_that_learned_nothing_is_named_and_gets_no_speedup():
+def baseline_entry(name: str, quality: float) -> dict:
+    return {"baseline": name, "label": f"baseline: {name}", "quality": {"present_f1_at_M": quality},
+            "definition": {"rule": f"the rule of {name}", "output": ["a"]}}
+
+
+def test_a_row_not_above_the_best_baseline_learned_nothing_and_gets_no_speedup():
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.3, 0), ("blockwise", 0.31, 0),
+                         ("nar", 0.6, 5), baselines={"constant": 0.1, "frequent": 0.3})
+    sequential, equal, above, bound = result["rows"]
+    assert sequential["not_learned"] is above["not_learned"] is None
+    assert equal["not_learned"] == "present_f1_at_M 0.300 is not above the baseline frequent's 0.300"
+    assert bound["not_learned"] == ("it never learned to end its outputs: 50% of them run to "
+                                    "the length bound")
+    assert [r["speedup_bs1"] for r in result["rows"]] == [1.0, None, 2.0, None]
+    # below a worse baseline too: the best one is named
+    below = judged_rows(("sequential", 0.05, 0), baselines={"frequent": 0.0, "constant": 0.1})
+    assert below["rows"][0]["not_learned"] == ("present_f1_at_M 0.050 is not above the baseline "
+                                               "constant's 0.100")
+    # zero is not above a baseline's zero: not learned, as under the zero rule
+    zero = judged_rows(("sequential", 0.0, 0), baselines={"constant": 0.0})
+    assert zero["rows"][0]["not_learned"] == "present_f1_at_M 0.000 is not above the baseline constant's 0.000"
+
+
+def test_a_result_without_baselines_is_judged_by_the_zero_rule():
     learned = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 4))
     assert [r["not_learned"] for r in learned["rows"]] == [None, None]
     assert [r["speedup_bs1"] for r in learned["rows"]] == [1.0, 2.0]
@@ -444,6 +484,24 @@ def test_a_row_that_learned_nothing_is_named_and_gets_no_speedup():
     table = markdown(judged_rows(("sequential", 0.5, 0), ("pipelined", 0.0, 0)))
     assert "| pipelined (not learned) | own |" in table
     assert "- pipelined (not learned): present_f1_at_M is 0" in table
+    assert "baseline" not in table
+
+
+def test_the_table_shows_the_baselines_after_the_rows_without_speed():
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.05, 0),
+                         baselines={"constant": 0.1, "frequent": 0.2})
+    lines = [line for line in markdown(result).splitlines() if line.startswith("| ")]
+    assert len(lines) == 5  # the head, two rows, two baselines
+    columns = len(lines[0].split(" | "))
+    assert lines[1].startswith("| sequential | own | 0.500 | ")
+    assert lines[2].startswith("| pipelined (not learned) | own | 0.050 | ")
+    for line, (name, quality) in zip(lines[3:], (("constant", "0.100"), ("frequent", "0.200"))):
+        cells = line.strip("| ").split(" | ")
+        assert cells[:3] == [f"baseline: {name}", "baseline", quality]
+        assert cells[3:] == ["–"] * (columns - 3)
+    table = markdown(result)
+    assert '- baseline: frequent: the rule of frequent: ["a"]' in table
+    assert "- pipelined (not learned): present_f1_at_M 0.050 is not above the baseline frequent's" in table
 
 
 def test_no_row_gets_a_speedup_when_sequential_learned_nothing():
@@ -468,6 +526,58 @@ def test_a_table_is_written_again_from_its_json(tmp_path):
     assert path.with_suffix(".md").read_text() == markdown(rewritten)
 
 
+def baselines_file(path: Path, task: str = "keyphrase", examples: int = 8, **quality: float) -> str:
+    """What `tasks.experiments.baselines --out` writes, with baselines of `quality`."""
+    path.write_text(json.dumps({"task": task, "split": "test", "test_examples": examples,
+                                "baselines": [baseline_entry(name, value)
+                                              for name, value in quality.items()]}))
+    return str(path)
+
+
+def test_a_comparison_is_judged_again_against_a_baselines_file(tmp_path):
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.2, 0))  # old: no baselines
+    assert [r["not_learned"] for r in result["rows"]] == [None, None]
+    path = tmp_path / "cmp.json"
+    path.write_text(json.dumps(result))
+    report.main([str(path), "--baselines", baselines_file(tmp_path / "b.json", constant=0.1,
+                                                          frequent=0.25)])
+    rewritten = json.loads(path.read_text())
+    assert [b["label"] for b in rewritten["baselines"]] == ["baseline: constant", "baseline: frequent"]
+    assert rewritten["rows"][1]["not_learned"] == ("present_f1_at_M 0.200 is not above the baseline "
+                                                   "frequent's 0.250")
+    assert rewritten["rows"][1]["speedup_bs1"] is None and rewritten["rows"][0]["speedup_bs1"] == 1.0
+    table = path.with_suffix(".md").read_text()
+    assert table == markdown(rewritten) and "| baseline: frequent | baseline | 0.250 |" in table
+    # written again without --baselines: its own, merged baselines stay
+    report.main([str(path)])
+    assert json.loads(path.read_text()) == rewritten
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("task", "holds baselines of task 'qa'; the comparison is of task 'keyphrase'"),
+    ("size", "was scored on 9 test examples; the comparison's rows on 8"),
+    ("old", "holds no list of baseline entries; expected a file written by "
+            "tasks.experiments.baselines --out"),
+    ("metric", "has no absent_f1_at_M, which the comparison's rows have"),
+])
+def test_a_baselines_file_of_another_task_or_test_split_is_refused(kind, message, tmp_path):
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.2, 0))
+    result["test_examples"] = 8
+    if kind == "metric":
+        for entry in result["rows"]:
+            entry["quality"]["absent_f1_at_M"] = 0.1
+    path = tmp_path / "cmp.json"
+    path.write_text(json.dumps(result))
+    baselines = baselines_file(tmp_path / "b.json", task="qa" if kind == "task" else "keyphrase",
+                               examples=9 if kind == "size" else 8, constant=0.9)
+    if kind == "old":  # the summarization-only format: baselines by name, scores in rows
+        old = json.loads(Path(baselines).read_text())
+        Path(baselines).write_text(json.dumps({**old, "baselines": {"constant": {}}}))
+    with pytest.raises(ConfigError, match=message):
+        report.main([str(path), "--baselines", baselines])
+    assert json.loads(path.read_text()) == result  # untouched
+
+
 # ---- the comparison's MLflow run ------------------------------------------------------------------
 
 def test_the_comparison_run_logs_each_rows_quality_speedups_and_calls_under_its_label():
@@ -485,6 +595,11 @@ def test_the_comparison_run_logs_each_rows_quality_speedups_and_calls_under_its_
         f"{pipelined}/decoder_calls_per_example": 3.0,
         # learned nothing: no speedup
         "nar/present_f1_at_M": 0.0, "nar/absent_f1_at_M": 0.1, "nar/decoder_calls_per_example": 3.0}
+    # a baseline's shown quality under its label; it has no speed
+    result["baselines"] = [baseline_entry("constant", 0.2)]
+    result["baselines"][0]["quality"].update(present_p_at_M=0.3, absent_f1_at_M=0.05)
+    assert {k: v for k, v in summary_metrics(result).items() if k.startswith("baseline")} == {
+        "baseline_constant/present_f1_at_M": 0.2, "baseline_constant/absent_f1_at_M": 0.05}
 
 
 def lightning_ctrl_c(callbacks):

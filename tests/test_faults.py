@@ -243,6 +243,35 @@ def test_step_bound_is_reported_in_telemetry_not_silently_cut(tmp_path, caplog):
     assert "test: 8 of 8 examples reached one of the decoder's length or step bounds" in caplog.text
 
 
+def test_a_fit_warns_of_bound_hits_once_at_its_end_not_at_every_validation(tmp_path, caplog):
+    cfg = compose("keyphrase", "pipelined", None, [*TINY, "decoder.max_steps=2", "trainer.max_epochs=3",
+                                                   "trainer.limit_train_batches=1",
+                                                   f"data.tokenizer_cache={tmp_path}/tok"])
+    built = build(cfg)
+    with torch.no_grad():  # every example runs to the step bound, as above; one step of training
+        # at the default learning rate does not lift the end token from its place below the others
+        built.module.backbone.lm_head.weight[built.module.decoder.special.eos] = -1e3
+    validations = []
+    built.module.on_validation_epoch_end = (lambda end=built.module.on_validation_epoch_end:
+                                            validations.append(end()))
+    make_trainer(cfg, None).fit(built.module, datamodule=built.datamodule)
+    assert len(validations) == 3  # three validations, each with every output at the bound
+    assert built.module.bound_hits["val"] == (8, 8)
+    assert caplog.text.count("reached one of the decoder's length or step bounds") == 1
+    assert "val: 8 of 8 examples reached" in caplog.text
+
+
+def test_a_small_share_of_bound_hits_is_logged_but_not_warned(tmp_path, caplog):
+    cfg = compose("keyphrase", "pipelined", None, [*TINY, f"data.tokenizer_cache={tmp_path}/tok"])
+    module = build(cfg).module
+    module.bound_hits["test"] = (1, 100)  # 1%: below BOUND_WARNING_SHARE
+    module.warn_bound_hits("test")
+    module.bound_hits["test"] = (5, 100)
+    module.warn_bound_hits("test")
+    assert caplog.text.count("reached one of the decoder's length or step bounds") == 1
+    assert "test: 5 of 100 examples" in caplog.text
+
+
 # ---- every bad value named before any work (exit 2, no traceback, no data read) -------------------
 
 # Every documented option and setting with a value outside its range, and the message it must give.

@@ -8,7 +8,7 @@
 #   tasks/bench/run_benchmarks.sh qa                 # the same on built-in multi-span QA
 #   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on $DATA/kp20k
 #   tasks/bench/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
-#   tasks/bench/run_benchmarks.sh cnndm-baselines    # ROUGE of lead-3 and a constant summary on cnndm (no training)
+#   tasks/bench/run_benchmarks.sh cnndm-baselines    # ROUGE of the summarization baselines on cnndm (no training)
 #   tasks/bench/run_benchmarks.sh cnndm              # real text: sequential, pipelined, blockwise trained on
 #                                                # $DATA/cnndm, 35 minutes of training per decoder
 #   tasks/bench/run_benchmarks.sh pretrain           # tasks.experiments.pretrain on the four $DATA text folders

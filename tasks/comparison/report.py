@@ -1,12 +1,20 @@
-"""A comparison's results: the JSON (one entry per row, speedups over sequential), its markdown
-table, and the plots (speedup against target subsequences, quality against speed, and per swept
-option quality and speedup against its value).
+"""A comparison's results: the JSON (one entry per row, speedups over sequential, and the task's
+trivial baselines, `tasks.baselines`), its markdown table, and the plots (speedup against target
+subsequences, quality against speed, and per swept option quality and speedup against its value).
 
-A row whose model did not learn its task (`not_learned`) is marked so in the table and gets no
-speedup: its outputs are degenerate, so its speed is not a decoder's. Neither does any row when
-sequential's model did not learn, since a speedup is a ratio to sequential's speed.
+A row whose model did not learn its task (`not_learned`: its primary quality is not above the best
+baseline's, or it never learned to end its outputs) is marked so in the table and gets no speedup:
+its outputs are no better than a system's that needs no model, so its speed is not a decoder's.
+Neither does any row when sequential's model did not learn, since a speedup is a ratio to
+sequential's speed.
 
     python -m tasks.comparison.report FILE.json   # FILE.md and FILE_quality_vs_speed.png again
+    python -m tasks.comparison.report FILE.json --baselines BASELINES.json
+
+With --baselines, the baseline entries of BASELINES.json (written by `tasks.experiments.baselines
+--out`, for the comparison's task and test split) replace FILE.json's own before its rows are
+judged again, and FILE.json is rewritten with them: the way to judge a comparison written without
+baselines against them.
 """
 from __future__ import annotations
 
@@ -18,9 +26,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from decoders import decoder_class
+from tasks.baselines import described
 from tasks.comparison.measure import reference_calls_per_example, trained_parameters
 from tasks.comparison.plan import Row, row_label
+from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
+from tasks.run import main_guard
 from tasks.runs.tracking import metric_key_part
 
 # a model whose outputs mostly run to the length bound never learned to end them
@@ -32,10 +43,17 @@ def primary_metric(task: str) -> str:
     return TASK_MODULES[task].primary_metric.split("/", 1)[1]
 
 
-def not_learned(entry: dict, primary: str) -> str | None:
-    """Why the row's model did not learn its task, or None when it did: its primary quality is
-    zero, or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
-    if entry["quality"].get(primary) == 0.0:
+def not_learned(entry: dict, primary: str, baselines: list[dict]) -> str | None:
+    """Why the row's model did not learn its task, or None when it did: its primary quality is not
+    above the best of the `baselines`' (without baselines, as in a result written without them: is
+    0), or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
+    value = entry["quality"].get(primary)
+    if baselines:
+        best = max(baselines, key=lambda baseline: baseline["quality"][primary])
+        if value <= best["quality"][primary]:
+            return (f"{primary} {value:.3f} is not above the baseline {best['baseline']}'s "
+                    f"{best['quality'][primary]:.3f}")
+    elif value == 0.0:
         return f"{primary} is 0"
     share = entry["bound_hit_fraction"]
     if share is not None and share >= NOT_LEARNED_BOUND_SHARE:
@@ -49,7 +67,7 @@ def judge(result: dict) -> dict:
     primary = result.setdefault("primary_metric", primary_metric(result["task"]))
     rows = result["rows"]
     for entry in rows:
-        entry["not_learned"] = not_learned(entry, primary)
+        entry["not_learned"] = not_learned(entry, primary, result.get("baselines", []))
     reference = next((e for e in rows if e["decoder"] == "sequential"), None)
     for entry in rows:
         if reference is None or entry["not_learned"] or reference["not_learned"]:
@@ -57,9 +75,34 @@ def judge(result: dict) -> dict:
     return result
 
 
-def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict:
+def with_baselines(result: dict, baselines: dict, path: Path) -> dict:
+    """`result` with the baseline entries of `baselines` (read from `path`, a `tasks.experiments.
+    baselines --out` file) in place of its own; refused when they are not of its task, lack a
+    metric its rows have (qa scored at another task.level) or, where `result` records its test
+    split's size, were scored on a test split of another size."""
+    if not isinstance(baselines.get("baselines"), list):
+        raise ConfigError(f"--baselines {path} holds no list of baseline entries; expected a file "
+                          f"written by tasks.experiments.baselines --out")
+    if baselines["task"] != result["task"]:
+        raise ConfigError(f"--baselines {path} holds baselines of task {baselines['task']!r}; the "
+                          f"comparison is of task {result['task']!r}")
+    missing = sorted({key for entry in baselines["baselines"] for key in result["rows"][0]["quality"]
+                      if key not in entry["quality"]})
+    if missing:
+        raise ConfigError(f"--baselines {path} has no {', '.join(missing)}, which the comparison's "
+                          f"rows have; score the baselines with the comparison's task settings")
+    examples = result.get("test_examples")
+    if examples is not None and baselines["test_examples"] != examples:
+        raise ConfigError(f"--baselines {path} was scored on {baselines['test_examples']} test "
+                          f"examples; the comparison's rows on {examples}")
+    return {**result, "baselines": baselines["baselines"]}
+
+
+def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
+           baselines: list[dict]) -> dict:
     """The comparison's JSON: one entry per row, with the conditions of the timing (`timing`, from
-    `measure_speed`)."""
+    `measure_speed`) and the task's `baselines` (entries of `tasks.baselines.scored_baselines`),
+    judged (`judge`)."""
     reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
     out_rows = []
     for row in rows:
@@ -97,7 +140,8 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict) -> dict
                   "eval_batch_size": cfg.eval.batch_size,
                   "memory": "CUDA max allocated" if device.startswith("cuda")
                   else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)",
-                  "rows": out_rows})
+                  "test_examples": len(rows[0].datamodule.records("test")),
+                  "rows": out_rows, "baselines": baselines})
 
 
 # the draft-and-verify decoders' counters (`stats`, summed over the test split) a comparison reports
@@ -132,11 +176,10 @@ def shown_label(entry: dict) -> str:
     return entry["label"] + "".join(f" ({mark})" for mark in marks)
 
 
-def shown_quality(result: dict) -> list[str]:
-    """The quality metrics a comparison shows: F-measures and ROUGE; precision and recall are left
-    to the JSON."""
-    return [k for k in result["rows"][0]["quality"]
-            if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
+def shown_quality(quality: dict) -> list[str]:
+    """The metrics a table shows of `quality` (a row's or a baseline's): F-measures and ROUGE;
+    precision and recall are left to the JSON."""
+    return [k for k in quality if not any(part in k for part in ("_p_", "_r_", "precision", "recall"))]
 
 
 # what the comparison's MLflow run logs of each row besides its quality
@@ -144,14 +187,14 @@ SUMMARY_FIGURES = ("speedup_bs1", "speedup_batch", "decoder_calls_per_example")
 
 
 def summary_metrics(result: dict) -> dict[str, float]:
-    """What the comparison's MLflow run logs of its rows, keyed `<row label>/<name>` (the label made
-    a valid metric key): the primary and the other shown quality metrics, the speedups where
-    `judge` leaves them, and the decoder calls per example."""
-    quality = dict.fromkeys([result["primary_metric"], *shown_quality(result)])
+    """What the comparison's MLflow run logs of its rows and its baselines, keyed `<label>/<name>`
+    (the label made a valid metric key): the primary and the other shown quality metrics, and of a
+    row the speedups where `judge` leaves them and the decoder calls per example."""
+    quality = dict.fromkeys([result["primary_metric"], *shown_quality(result["rows"][0]["quality"])])
     metrics = {}
-    for entry in result["rows"]:
+    for entry in [*result["rows"], *result.get("baselines", [])]:
         values = {**{name: entry["quality"][name] for name in quality},
-                  **{name: entry[name] for name in SUMMARY_FIGURES}}
+                  **{name: entry.get(name) for name in SUMMARY_FIGURES}}
         label = metric_key_part(entry["label"])
         metrics.update({f"{label}/{name}": value for name, value in values.items()
                         if value is not None})
@@ -159,8 +202,9 @@ def summary_metrics(result: dict) -> dict[str, float]:
 
 
 def markdown(result: dict) -> str:
-    """The table: the shown quality (`shown_quality`), speed, work and memory per row."""
-    shown = shown_quality(result)
+    """The table: the shown quality (`shown_quality`), speed, work and memory per row, then the
+    baselines' quality, with "–" where they have no speed, work or memory."""
+    shown = shown_quality(result["rows"][0]["quality"])
 
     def fmt(value, digits=3):
         return "–" if value is None else f"{value:.{digits}f}"
@@ -179,13 +223,22 @@ def markdown(result: dict) -> str:
                  fmt(r["peak_memory_mb"], 1), f"{r['trained_parameters']:,}",
                  fmt(r["fit_seconds"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
+    baselines = result.get("baselines", [])
+    for b in baselines:
+        cells = [b["label"], "baseline", *(fmt(b["quality"][k]) for k in shown)]
+        lines.append("| " + " | ".join(cells + ["–"] * (len(head) - len(cells))) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
     caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, "
                f"{result['device']}, {result['threads']} threads{flushed}, eval batch "
                f"{result['eval_batch_size']}; "
                f"memory = {result['memory']}")
-    notes = [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
-             f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
+    notes = [f"- {b['label']}: {described(b)}" for b in baselines]
+    if baselines:
+        notes.append("- baselines need no model; their outputs are scored as the decoders' are "
+                     "(through the tokenizer, cut to the data limits); a row whose "
+                     f"{result['primary_metric']} is not above the best baseline's has not learned")
+    notes += [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
+              f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
         notes.append("- speedups are ratios to sequential's speed, which is not a decoder's here: "
                      "none is given")
@@ -288,6 +341,8 @@ def plot_quality_vs_speed(result: dict, path: Path) -> None:
     for i, r in enumerate(result["rows"]):
         ax.scatter(r["examples_per_second_bs1"], r["quality"].get(primary, 0.0), s=50,
                    marker=markers[i % len(markers)], label=shown_label(r))
+    for b in result.get("baselines", []):  # no speed: a level to be above
+        ax.axhline(b["quality"][primary], ls="--", lw=0.8, color="grey", label=b["label"])
     ax.set_xlabel("examples per second (batch size 1)")
     ax.set_ylabel(primary)
     ax.set_title(f"{result['task']} on {data_name(result['data'])}, {result['model']}", fontsize=10)
@@ -339,8 +394,16 @@ def main(argv: list[str] | None = None) -> None:
                                                  "against speed plot again from its FILE.json (with "
                                                  "its rows judged as learned or not)")
     parser.add_argument("result", help="FILE.json written by tasks.compare")
-    path = Path(parser.parse_args(argv).result)
-    result = judge(json.loads(path.read_text()))
+    parser.add_argument("--baselines", metavar="BASELINES.json",
+                        help="judge against these baselines (written by tasks.experiments.baselines "
+                             "--out), kept in FILE.json in place of its own")
+    args = parser.parse_args(argv)
+    path = Path(args.result)
+    result = json.loads(path.read_text())
+    if args.baselines:
+        baselines = Path(args.baselines)
+        result = with_baselines(result, json.loads(baselines.read_text()), baselines)
+    result = judge(result)
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown(result))
     plot = path.with_name(path.stem + "_quality_vs_speed.png")
@@ -349,4 +412,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main)
