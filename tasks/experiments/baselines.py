@@ -29,9 +29,8 @@ from omegaconf import DictConfig
 
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import target_texts
-from tasks.comparison.report import data_name
 from tasks.baselines import described, scored_baselines
-from tasks.comparison.report import primary_metric, shown_quality
+from tasks.comparison.report import data_name, primary_metric, shown_quality
 from tasks.config import compose, to_yaml
 from tasks.run import base_parser, log, main_guard, show_report
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,
@@ -43,8 +42,8 @@ SPLIT = "test"
 def markdown(result: dict) -> str:
     primary = primary_metric(result["task"])
     shown = list(dict.fromkeys([primary, *shown_quality(result["baselines"][0]["quality"])]))
-    title = (f"{result['task']} baselines, {result['split']} split of {data_name(result['data'])}, scored as the "
-             f"decoders' outputs (tokenizer of model={result['model']})")
+    title = (f"{result['task']} baselines, {result['split']} split of {data_name(result['data'])}, "
+             f"scored as the decoders' outputs (tokenizer of model={result['model']})")
     lines = [title, "",
              "| baseline | " + " | ".join(shown) + " | n examples | subsequences/ex | tokens/ex |",
              "|" + "---|" * (len(shown) + 4)]
