@@ -237,6 +237,8 @@ def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfi
 # pretrained model, Trainer arguments left to Lightning's defaults) is not checked.
 VALUE_RANGES: dict[str, Range] = {
     "seed": Range(ge=0, le=2 ** 32 - 1, note="the seeds NumPy accepts"),
+    "task.max_epochs": Range(ge=-1, note="-1: no limit"),  # the default of trainer.max_epochs
+    "task.builtin_train_size": Range(ge=1),            # the default of data.train_size (builtin)
     "train.batch_size": Range(ge=1),
     "model.lr": Range(gt=0, integer=False),  # the default of train.lr
     "train.lr": Range(gt=0, integer=False),

@@ -46,10 +46,10 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
         if row["not_learned"] or sequential["not_learned"]:
             assert row["speedup_bs1"] is None and row["speedup_batch"] is None
             continue
-        assert row["speedup_bs1"] == pytest.approx(row["examples_per_second_bs1"]
-                                                   / sequential["examples_per_second_bs1"])
-        assert row["speedup_batch"] == pytest.approx(row["examples_per_second_batch"]
-                                                     / sequential["examples_per_second_batch"])
+        for key in ("bs1", "batch"):  # the median of the two passes' side-by-side ratios
+            passes = row[f"speedup_{key}_passes"]
+            assert len(passes) == 2 and row[f"speedup_{key}"] == pytest.approx(sum(passes) / 2)
+            assert sequential[f"speedup_{key}_passes"] == [1.0, 1.0]
     assert sequential["tokens_per_call"] == pytest.approx(1.0)
     # calls the test references need: fewer pipelined; a decode-time bound does not enter
     references = [row["reference_calls_per_example"] for row in written["rows"]]
@@ -502,6 +502,23 @@ def test_the_table_shows_the_baselines_after_the_rows_without_speed():
     table = markdown(result)
     assert '- baseline: frequent: the rule of frequent: ["a"]' in table
     assert "- pipelined (not learned): present_f1_at_M 0.050 is not above the baseline frequent's" in table
+
+
+def test_the_table_shows_each_speedup_with_the_spread_of_its_timing_passes():
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0), ("nar", 0.0, 0))
+    for entry, passes in zip(result["rows"], ([1.0, 1.0, 1.0], [1.41, 1.57, 1.52], [3.0, 3.1, 2.9])):
+        entry["speedup_bs1"], entry["speedup_bs1_passes"] = sorted(passes)[1], passes
+    judge(result)  # nar learned nothing: its speedup goes, its passes with it
+    assert "speedup_bs1_passes" not in result["rows"][2]
+    lines = [line.strip("| ").split(" | ") for line in markdown(result).splitlines()
+             if line.startswith("| ")]
+    column = lines[0].index("speedup bs1")
+    assert [cells[column] for cells in lines[1:4]] == ["1.00 (1.00–1.00)", "1.52 (1.41–1.57)", "–"]
+    assert "the median over 3 timing passes" in markdown(result)
+    # one pass: no spread to show, and no note
+    assert lines[1][lines[0].index("speedup batch")] == "1.00"
+    single = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0))
+    assert "timing passes" not in markdown(single)
 
 
 def test_no_row_gets_a_speedup_when_sequential_learned_nothing():

@@ -60,7 +60,7 @@ def test_bad_overrides_fail_clearly(overrides, needle):
 
 def test_learning_rate_defaults_to_the_models_and_train_lr_overrides_it():
     # t5-tiny learns from scratch; pretrained T5 is fine-tuned with AdamW at 1e-4 to 3e-4
-    assert compose().train.lr == 3e-3
+    assert compose().train.lr == 1e-3
     assert compose(overrides=["model=t5-small"]).train.lr == 3e-4
     assert compose(overrides=["model=t5-large"]).train.lr == 1e-4
     for overrides in (["model=t5-small", "train.lr=1e-5"], ["train.lr=1e-5", "model=t5-small"]):
@@ -69,6 +69,21 @@ def test_learning_rate_defaults_to_the_models_and_train_lr_overrides_it():
     # a checkpoint's configuration keeps the learning rate it was trained with
     stored = OmegaConf.to_container(compose(overrides=["model=t5-small", "train.lr=5e-5"]))
     assert compose(base=stored).train.lr == 5e-5
+
+
+def test_each_task_sets_its_budget_and_any_override_wins():
+    """trainer.max_epochs and, on the built-in corpus, data.train_size come from the task's file."""
+    budgets = {task: (compose(task).trainer.max_epochs, compose(task).data.train_size)
+               for task in ("keyphrase", "qa", "summarization")}
+    assert budgets == {"keyphrase": (10, 2000), "qa": (2, 20000), "summarization": (10, 2000)}
+    cfg = compose("qa", overrides=["trainer.max_epochs=3", "data.train_size=100"])
+    assert (cfg.trainer.max_epochs, cfg.data.train_size) == (3, 100)
+    assert compose("qa", overrides=["task.max_epochs=4"]).trainer.max_epochs == 4
+    # other data: the task's epochs stand, the built-in corpus's size does not apply
+    cfg = compose("qa", overrides=["data=jsonl", "data.path=somewhere"])
+    assert cfg.trainer.max_epochs == 2 and "train_size" not in cfg.data
+    with pytest.raises(ConfigError, match="task.builtin_train_size must be an integer >= 1, got 0"):
+        compose("qa", overrides=["task.builtin_train_size=0"])
 
 
 def test_interpolated_default_takes_a_value_of_its_resolved_type():

@@ -142,7 +142,7 @@ def test_pretrained_from_a_local_folder_end_to_end_then_without_it(tmp_path, no_
     fitted = fit.main(args)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(fitted["run_id"])
-    assert run.data.params["train.lr"] == "0.0003"  # t5-small's default, not t5-tiny's 3e-3
+    assert run.data.params["train.lr"] == "0.0003"  # t5-small's default, not t5-tiny's 1e-3
     predicted = [row["prediction"] for row in run_artifact_rows(client, fitted["run_id"], tmp_path / "fit")]
     assert len({tuple(p) for p in predicted}) > 1
     checkpoint = torch.load(fitted["checkpoint"], map_location="cpu", weights_only=True)

@@ -36,6 +36,8 @@ from tasks.runs.tracking import metric_key_part
 
 # a model whose outputs mostly run to the length bound never learned to end them
 NOT_LEARNED_BOUND_SHARE = 0.5
+# the speedups over sequential a row's entry holds (each beside `<key>_passes`, one per timing pass)
+SPEEDUPS = ("speedup_bs1", "speedup_batch")
 
 
 def primary_metric(task: str) -> str:
@@ -71,7 +73,9 @@ def judge(result: dict) -> dict:
     reference = next((e for e in rows if e["decoder"] == "sequential"), None)
     for entry in rows:
         if reference is None or entry["not_learned"] or reference["not_learned"]:
-            entry["speedup_bs1"] = entry["speedup_batch"] = None
+            for key in SPEEDUPS:
+                entry[key] = None
+                entry.pop(f"{key}_passes", None)
     return result
 
 
@@ -130,8 +134,12 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
         }
         if reference is not None:
             for key in ("bs1", "batch"):
-                entry[f"speedup_{key}"] = (row.speed[f"examples_per_second_{key}"]
-                                           / reference.speed[f"examples_per_second_{key}"])
+                # pass r of the row against pass r of sequential, timed side by side: the speedup
+                # is their median, and the passes stay to show its spread
+                passes = [base / own for own, base in zip(row.speed[f"pass_seconds_{key}"],
+                                                          reference.speed[f"pass_seconds_{key}"])]
+                entry[f"speedup_{key}"] = statistics.median(passes)
+                entry[f"speedup_{key}_passes"] = passes
         out_rows.append(entry)
     data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
     device = timing["device"]
@@ -216,7 +224,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         cells = [shown_label(r), r["training"], *(fmt(r["quality"][k]) for k in shown),
                  fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
-                 fmt(r["speedup_bs1"], 2), fmt(r["speedup_batch"], 2),
+                 *(speedup_cell(r, key) for key in SPEEDUPS),
                  fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
                  fmt(r["tokens_per_call"], 2),
                  f"{r['bound_hits']} ({fmt(r['bound_hit_fraction'], 3)})",
@@ -237,6 +245,12 @@ def markdown(result: dict) -> str:
         notes.append("- baselines need no model; their outputs are scored as the decoders' are "
                      "(through the tokenizer, cut to the data limits); a row whose "
                      f"{result['primary_metric']} is not above the best baseline's has not learned")
+    passes = max((len(r.get(f"{key}_passes") or []) for r in result["rows"] for key in SPEEDUPS),
+                 default=0)
+    if passes > 1:
+        notes.append(f"- speedup: the median over {passes} timing passes, each timing every row "
+                     f"in turn, of the row's speed over sequential's in the same pass; in brackets "
+                     f"the lowest and the highest pass")
     notes += [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
               f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
@@ -247,6 +261,16 @@ def markdown(result: dict) -> str:
                      "have chosen; its output is no longer the model's greedy output")
     table = caption + "\n\n" + "\n".join(lines) + "\n"
     return table + drafts_table(result) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def speedup_cell(entry: dict, key: str) -> str:
+    """A speedup as the table shows it: the median over the timing passes, with the lowest and
+    highest pass beside it when there were several ("–" where `judge` gives none)."""
+    if entry[key] is None:
+        return "–"
+    passes = entry.get(f"{key}_passes") or [entry[key]]
+    spread = f" ({min(passes):.2f}–{max(passes):.2f})" if len(passes) > 1 else ""
+    return f"{entry[key]:.2f}{spread}"
 
 
 def drafts_table(result: dict) -> str:
