@@ -221,9 +221,7 @@ class GenerationTask(BackboneTraining):
         Under DDP each process decoded its own shard: the metrics' `compute` sums their statistics
         over the processes, and the telemetry (hence the predictions) is gathered here, so every
         process holds and logs the same whole-split values."""
-        self.quality_scores: dict[str, float] = {}
-        for metric in self.metrics.values():
-            self.quality_scores.update({k: float(v) for k, v in metric.compute().items()})
+        self.quality_scores = computed_scores(self.metrics)
         world, _ = process_group()
         if world > 1:
             parts = [None] * world
@@ -334,8 +332,12 @@ def task_scores(cfg: DictConfig, tokenizer, predictions: list[list[str]],
     task = TASK_MODULES[cfg.task.name]
     metrics = task.make_metrics(cfg, tokenizer)
     task.update_metrics(metrics, predictions, records)
-    return {key: float(value) for metric in metrics.values()
-            for key, value in metric.compute().items()}
+    return computed_scores(metrics)
+
+
+def computed_scores(metrics) -> dict[str, float]:
+    """Every score of a task's `metrics` (name -> torchmetrics Metric), as plain floats."""
+    return {key: float(value) for metric in metrics.values() for key, value in metric.compute().items()}
 
 
 def write_jsonl(rows: list[dict], path) -> None:

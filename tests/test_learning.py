@@ -6,14 +6,12 @@ it (what 3e-3 and dropout 0.1, t5-tiny's former defaults, gave on 4000 examples 
 bound and at most 7 repeats on this budget). No particular output is checked.
 """
 import collections
-import json
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks import fit
-from tests.test_end_to_end import tracking
+from tests.test_end_to_end import run_artifact_rows, tracking
 
 # a small budget: 6000 training examples seen twice (the default QA budget is 20000, twice)
 SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validation_size=50",
@@ -28,8 +26,7 @@ def test_sequential_ends_builtin_qa_outputs_and_does_not_repeat_answers(tmp_path
     result = fit.main(["--task", "qa", *SMALL_QA_BUDGET, *tracking(tmp_path)])
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     metrics = client.get_run(result["run_id"]).data.metrics
-    local = Path(client.download_artifacts(result["run_id"], "predictions.jsonl", str(tmp_path)))
-    outputs = [json.loads(line)["prediction"] for line in local.read_text().splitlines()]
+    outputs = [row["prediction"] for row in run_artifact_rows(client, result["run_id"], tmp_path)]
     assert len(outputs) == 100
 
     # most outputs end by themselves: the model writes its end token

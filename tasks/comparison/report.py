@@ -141,9 +141,8 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
                 entry[f"speedup_{key}"] = statistics.median(passes)
                 entry[f"speedup_{key}_passes"] = passes
         out_rows.append(entry)
-    data = cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
     device = timing["device"]
-    return judge({"task": cfg.task.name, "data": data, "model": cfg.model.name, "device": device,
+    return judge({"task": cfg.task.name, "data": recorded_data(cfg), "model": cfg.model.name, "device": device,
                   "threads": threads, "flush_denormal": timing["flush_denormal"],
                   "eval_batch_size": cfg.eval.batch_size,
                   "memory": "CUDA max allocated" if device.startswith("cuda")
@@ -168,6 +167,11 @@ def draft_figures(telemetry: dict, calls: float) -> dict | None:
     offered = telemetry["draft_tokens_offered"]
     figures["accepted_share"] = telemetry["draft_tokens_accepted"] / offered if offered else None
     return figures
+
+
+def recorded_data(cfg: DictConfig) -> str:
+    """What a result records as its data: a JSONL folder's path, else the source's name."""
+    return cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
 
 
 def data_name(data: str) -> str:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import target_texts
 from tasks.baselines import described, scored_baselines
-from tasks.comparison.report import data_name, primary_metric, shown_quality
+from tasks.comparison.report import data_name, primary_metric, recorded_data, shown_quality
 from tasks.config import compose, to_yaml
 from tasks.run import base_parser, log, main_guard, show_report
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     for entry, predictions in scored_baselines(cfg, datamodule):
         entry["mlflow_run_id"] = log_baseline(cfg, datamodule, entry, predictions)
         entries.append(entry)
-    result = {"task": cfg.task.name, "data": cfg.data.get("path") or cfg.data.source, "split": SPLIT,
+    result = {"task": cfg.task.name, "data": recorded_data(cfg), "split": SPLIT,
               "model": cfg.model.name, "test_examples": len(datamodule.records(SPLIT)),
               "data_limits": {key: cfg.data[key] for key in
                               ("max_target_length", "max_subsequences", "max_subsequence_length")},
