@@ -124,14 +124,14 @@ def scored(cfg: DictConfig, tokenizer, outputs: list[list[str]],
             "subsequences_dropped": report.subsequences_dropped}, predictions
 
 
-def scored_baselines(cfg: DictConfig,
-                     datamodule: SubsequenceDataModule) -> list[tuple[dict, list[list[str]]]]:
+def scored_baselines(cfg: DictConfig, datamodule: SubsequenceDataModule,
+                     limit: int | None = None) -> list[tuple[dict, list[list[str]]]]:
     """Every baseline of `cfg`'s task, built from `datamodule`'s training split and scored on its
-    test split with its tokenizer: per baseline its entry (`baseline`: its name, `label`: how
-    tables name it, `definition`, `quality` keyed as a decoder's test scores are, and what was
-    scored) and its scored texts per test record."""
+    test split (its first `limit` records, if given) with its tokenizer: per baseline its entry
+    (`baseline`: its name, `label`: how tables name it, `definition`, `quality` keyed as a
+    decoder's test scores are, and what was scored) and its scored texts per test record."""
     datamodule.setup()  # the tokenizer the models have
-    train, test = datamodule.records("train"), datamodule.records("test")
+    train, test = datamodule.records("train"), datamodule.records("test")[:limit]
     entries = []
     for name, definition, outputs in baseline_outputs(cfg.task.name, train, test):
         figures, predictions = scored(cfg, datamodule.tokenizer, outputs, test)

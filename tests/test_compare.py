@@ -110,32 +110,70 @@ def test_decoder_specific_override_goes_to_its_decoder_only():
 
 
 @pytest.mark.slow
-def test_gpu_benchmark_runs_on_the_cpu_with_a_note(tmp_path):
-    """The accelerator script, exercised where there is none: the same code path on the CPU, with
-    the note saying so, one row per checkpoint and batch size."""
+def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
+    """The accelerator scripts (tasks.bench.gpu_benchmark, tasks.bench.peers), exercised where there
+    is none: the same code path on the CPU, with the note saying so, one row per decoder and batch
+    size, a row named after a decoder decoding its checkpoint with that decoder."""
     from tasks import fit
-    from tasks.bench import gpu_benchmark
+    from tasks.bench import gpu_benchmark, peers
     paths = {name: fit.main(["--decoder", name, *TINY, *tracking(tmp_path)])["checkpoint"]
              for name in ("sequential", "pipelined")}
     out = tmp_path / "bench.json"
     result = gpu_benchmark.main([f"--ckpt=sequential={paths['sequential']}",
-                                 f"--ckpt=pipelined={paths['pipelined']}", "--batch-sizes", "1,4",
-                                 "--repeats", "1", "--precision", "bf16", "--out", str(out)])
+                                 f"--ckpt=pipelined={paths['pipelined']}",
+                                 f"--ckpt=lookup={paths['sequential']}", "--batch-sizes", "1,4",
+                                 "--single-examples", "3", "--repeats", "1", "--precision", "bf16",
+                                 "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["device"] == "cpu" and "not GPU figures" in result["note"]
-    names = ["sequential", "pipelined", "transformers generate"]
-    assert [(r["decoder"], r["batch_size"]) for r in result["rows"]] == [
-        *((name, 1) for name in names), *((name, 4) for name in names)]
+    names = ["sequential", "pipelined", "lookup", "transformers generate"]
+    assert [(r["decoder"], r["batch_size"], r["examples"]) for r in result["rows"]] == [
+        *((name, 1, 3) for name in names), *((name, 4, 8) for name in names)]
     # reported, not assumed: under bf16 the two code paths round differently, and a near tie of a
     # briefly trained model may flip a token (their exact equality is tested in float64 in
     # tests/test_sequential.py)
     identical = result["sequential_equals_generate"]
     assert isinstance(identical, bool)
-    assert all(r["examples_per_second"] > 0 for r in result["rows"])
-    assert result["rows"][0]["speedup"] == 1.0
+    assert all(r["examples_per_second"] > 0 and "present_f1_at_M" in r["quality"]
+               for r in result["rows"])
+    lookup = {r["batch_size"]: r for r in result["rows"] if r["decoder"] == "lookup"}
+    sequential = {r["batch_size"]: r for r in result["rows"] if r["decoder"] == "sequential"}
+    assert lookup[4]["quality"] == sequential[4]["quality"]   # lookup is exact
+    # a one-epoch tiny model learns nothing: judged against the baselines, no speedup is offered
+    assert {b["baseline"] for b in result["baselines"]} == {"constant", "frequent"}
+    for row in result["rows"]:
+        assert (row["speedup"] is None) == (row["not_learned"] is not None or
+                                            result["rows"][0]["not_learned"] is not None)
     table = out.with_suffix(".md").read_text()
     assert "not GPU figures" in table
     assert f"sequential's tokens {'equal' if identical else 'DIFFER FROM'}" in table
+
+    peer_out = tmp_path / "peers.json"
+    compared = peers.main(["--ckpt", paths["sequential"], "--batch-size", "4", "--repeats", "1",
+                           "--prompt-lookup", "2,5", "--out", str(peer_out)])
+    assert "not GPU figures" in compared["note"]
+    single = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 1]
+    batched = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 4]
+    assert single == [peers.GREEDY, peers.prompt_lookup_name(2), peers.prompt_lookup_name(5),
+                      "sequential", "lookup"]
+    assert batched == [peers.GREEDY, "sequential", "lookup"]   # transformers refuses prompt lookup
+    # greedy generate, its prompt lookup and this library's exact decoders agree on fp32 CPU
+    assert all(r["identical_to_greedy"] for r in compared["rows"])
+    assert all(r["speed_vs_greedy"] > 0 and r["decoder_calls_per_example"] >= 1
+               for r in compared["rows"])
+    assert "batch size 1 only" in peer_out.with_suffix(".md").read_text()
+
+
+def test_decode_only_benchmarks_refuse_bad_arguments():
+    from tasks.bench import gpu_benchmark, peers
+    with pytest.raises(ConfigError, match=r"--batch-sizes '1,x': comma-separated integers"):
+        gpu_benchmark.main(["--ckpt", "sequential=s.ckpt", "--batch-sizes", "1,x"])
+    with pytest.raises(ConfigError, match=r"--single-examples: every value must be >= 1, got \[0\]"):
+        gpu_benchmark.main(["--ckpt", "sequential=s.ckpt", "--single-examples", "0"])
+    with pytest.raises(ConfigError, match=r"--prompt-lookup '4,0': every value must be >= 1"):
+        peers.main(["--ckpt", "s.ckpt", "--prompt-lookup", "4,0"])
+    with pytest.raises(ConfigError, match=r"--batch-size: must be >= 1, got 0"):
+        peers.main(["--ckpt", "s.ckpt", "--batch-size", "0"])
 
 
 # ---- --ckpt: checked against the plan ------------------------------------------------------------

@@ -1,5 +1,5 @@
 """`decoders.loop`: host values reach the batch's device in one copy (`send`), which on a GPU must
-not wait for the work already queued there; `LiveRows` drops finished rows."""
+not wait for the work already queued there (tests/test_cuda.py); `LiveRows` drops finished rows."""
 import pytest
 import torch
 
@@ -22,13 +22,3 @@ def test_dropped_rows_leave_every_row_tensor_and_the_index():
     assert kept.tolist() == [10, 12]
     assert rows.index.tolist() == [0, 2] and rows.kept == [0, 2]
     assert rows.drop([True, True], None, kept) is None
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_send_does_not_synchronize_on_cuda():
-    torch.cuda.set_sync_debug_mode("error")   # a synchronizing call raises
-    try:
-        sent = send([[2, 7], [1, 8]], torch.device("cuda"))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert sent.device.type == "cuda" and sent.tolist() == [[2, 7], [1, 8]]

@@ -1,15 +1,23 @@
 """The paper-style speed comparison on an accelerator: trained checkpoints, decode-only timing.
 
     python -m tasks.bench.gpu_benchmark --ckpt sequential=S.ckpt --ckpt pipelined=P.ckpt \\
+        [--ckpt lookup=S.ckpt --ckpt aggressive=S.ckpt --drafter N.ckpt] \\
         [--batch-sizes 1,64] [--precision bf16|fp32] [--repeats 5] [--examples N] [--out FILE.json]
 
 Huang et al. time T5 decoders on one RTX 4090 at batch size 1 and at a large batch (the number was
 lost in our text of the paper; 64 is the default here). This runs that comparison for any
 checkpoints written by tasks.fit: each is decoded on its own test split (the same examples for all,
 as long as they were trained on the same data), at every batch size, the decoders interleaved and
-the median of `--repeats` passes taken after a warm-up. When the first checkpoint is decoded
-sequentially, transformers' own greedy `generate` on the same backbone is timed beside it, and
-whether the two give the same tokens is reported.
+the median of `--repeats` passes taken after a warm-up. A row named after a registered decoder
+decodes its checkpoint with that decoder (one of the trained layout: `lookup=S` decodes the
+sequential checkpoint S with lookup drafts); a decoder that drafts with another model (aggressive)
+drafts with the nar checkpoint `--drafter`. When the first checkpoint is decoded sequentially,
+transformers' own greedy `generate` on the same backbone is timed beside it, and whether the two
+give the same tokens is reported.
+
+Every row is scored on the examples it decoded (the task's metrics, as tasks.test scores) and
+judged against the task's baselines on the same examples, as tasks.compare judges its rows: a row whose model did not learn (not above the best baseline, or most outputs cut by a
+bound) is marked so and gets no speedup.
 
 On a CUDA device: time from CUDA events around each decode (the GPU's own clock, no host sync
 inside the timed region other than the decoders' own), peak memory from `max_memory_allocated`
@@ -20,58 +28,24 @@ tasks.compare measures it) and says so in its output: CPU figures are not GPU fi
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from contextlib import nullcontext
+import sys
 from types import SimpleNamespace
 
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from decoders.base import DecodeOutput
-from decoders.loop import split_flat_output
-from tasks.comparison.measure import PeakMemory, flushed_denormals
+from tasks.baselines import scored_baselines
+from tasks.bench.timing import PRECISIONS, TransformersGenerate, restored, time_decoders, timed
+from tasks.comparison.measure import flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
+from tasks.comparison.report import primary_metric, not_learned
 from tasks.config import ConfigError
+from tasks.module import subsequence_texts, task_scores
 from tasks.run import log, main_guard, write_report
-from tasks.test import restore_as_trained
 
 CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
             "not GPU figures")
-
-
-def timed(decoder, model, batch: dict, device: torch.device, precision: str):
-    """(DecodeOutput, seconds) of one decode: CUDA events on a GPU, the host clock elsewhere."""
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
-                else nullcontext())
-    with torch.inference_mode(), autocast:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
-            end.record()
-            end.synchronize()
-            return out, start.elapsed_time(end) / 1000.0
-        started = time.perf_counter()
-        out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
-        return out, time.perf_counter() - started
-
-
-class TransformersGenerate:
-    """transformers' own greedy `generate` on a sequential checkpoint's backbone, as a decoder:
-    the reference the sequential decoder must match token for token and at least equal in speed."""
-
-    def __init__(self, sequential):
-        self.sequential = sequential
-
-    def generate(self, model, input_ids, attention_mask):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                             num_beams=1, max_new_tokens=self.sequential.max_new_tokens)
-        rows = [[t for t in row if t != model.config.pad_token_id] for row in out[:, 1:].tolist()]
-        split = [split_flat_output(row, self.sequential.special) for row in rows]
-        return DecodeOutput(subsequences=[subs for subs, _ in split], decoder_calls=[out.size(1) - 1] * len(rows),
-                            tokens=[len(r) for r in rows], hit_max_steps=[not e for _, e in split],
-                            batch_decoder_calls=out.size(1) - 1)
+GENERATE = "transformers generate"
 
 
 def same_outputs(first, second, batches, device, precision) -> bool:
@@ -81,47 +55,86 @@ def same_outputs(first, second, batches, device, precision) -> bool:
                for b in batches)
 
 
-def benchmark(modules: dict, datamodule, device: torch.device, batch_sizes: list[int],
-              precision: str, repeats: int, examples: int | None) -> list[dict]:
-    """One row per (decoder, batch size): examples/s, speedup over the first decoder, peak MB,
-    decoder calls per example."""
-    test = datamodule.dataset("test").examples[:examples]
+def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
+    """A row's quality (the task's test scores) and share of outputs cut by a bound, from the
+    outputs of its last timed pass."""
+    hits = [hit for out in timing.outputs for hit in out.hit_max_steps]
+    predictions = subsequence_texts(tokenizer, timing.subsequences())
+    return {"quality": task_scores(cfg, tokenizer, predictions, records),
+            "bound_hit_fraction": sum(hits) / len(hits)}
+
+
+def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch_sizes: list[int],
+              precision: str, repeats: int, examples: int | None,
+              single_examples: int | None) -> list[dict]:
+    """One row per (decoder, batch size): examples/s, speedup over the first decoder, peak MB and
+    its ratio to the first decoder's, decoder calls per example, quality and bound hits (at batch
+    size 1 on the first `single_examples` examples only, where given)."""
+    first = next(iter(modules))
     rows = []
     for batch_size in batch_sizes:
+        limit = single_examples if batch_size == 1 and single_examples else examples
+        test = datamodule.dataset("test").examples[:examples][:limit]
+        records = datamodule.records("test")[:examples][:limit]
         batches = [move_data_to_device(datamodule.collate(test[i:i + batch_size]), device)
                    for i in range(0, len(test), batch_size)]
-        seconds: dict[str, list[float]] = {name: [] for name in modules}
-        calls: dict[str, float] = {}
-        for module in modules.values():  # warm-up
-            timed(module.decoder, module.backbone, batches[0], device, precision)
-        for _ in range(repeats):
-            for name, module in modules.items():   # interleaved
-                runs = [timed(module.decoder, module.backbone, b, device, precision) for b in batches]
-                seconds[name].append(sum(s for _, s in runs))
-                calls[name] = sum(sum(out.decoder_calls) for out, _ in runs) / len(test)
-        for name, module in modules.items():
-            with PeakMemory(device) as memory:
-                for batch in batches:
-                    timed(module.decoder, module.backbone, batch, device, precision)
-            speed = len(test) / statistics.median(seconds[name])
-            first = len(test) / statistics.median(seconds[next(iter(modules))])
-            rows.append({"decoder": name, "batch_size": batch_size, "examples_per_second": speed,
-                         "speedup": speed / first, "peak_memory_mb": memory.peak_mb,
-                         "decoder_calls_per_example": calls[name]})
+        timings = time_decoders(modules, batches, device, precision, repeats)
+        for name, timing in timings.items():
+            cfg = cfgs.get(name, cfgs[first])
+            rows.append({"decoder": name, "batch_size": batch_size, "examples": len(test),
+                         "examples_per_second": len(test) / timing.seconds,
+                         "speedup": timings[first].seconds / timing.seconds,
+                         "peak_memory_mb": timing.peak_memory_mb,
+                         "memory_vs_first": timing.peak_memory_mb / timings[first].peak_memory_mb
+                         if timings[first].peak_memory_mb > 0 else None,
+                         "decoder_calls_per_example": timing.calls_per_example,
+                         **scored(cfg, datamodule.tokenizer, timing, records)})
+    return rows
+
+
+def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
+    """Each row's `not_learned` reason (None when it learned), judged on its decoder's row that
+    decoded the most examples (those the baselines were scored on); a row that did not learn, or
+    every row when the first (the speedups' reference) did not, has no speedup."""
+    for row in rows:
+        widest = max((r for r in rows if r["decoder"] == row["decoder"]), key=lambda r: r["examples"])
+        row["not_learned"] = not_learned(widest, primary, baselines)
+    for batch_size in {row["batch_size"] for row in rows}:
+        same = [row for row in rows if row["batch_size"] == batch_size]
+        for row in same:
+            if row["not_learned"] or same[0]["not_learned"]:
+                row["speedup"] = None
     return rows
 
 
 def markdown(result: dict) -> str:
-    lines = [f"{result['device']}, precision {result['precision']}, {result['examples']} test "
-             f"examples, median of {result['repeats']}" + (f"; {result['note']}" if result["note"] else "")
-             + ("" if result["sequential_equals_generate"] is None else
-                f"; sequential's tokens {'equal' if result['sequential_equals_generate'] else 'DIFFER FROM'}"
-                f" transformers generate's"),
-             "", "| decoder | batch | ex/s | speedup | peak MB | calls/ex |", "|---|---|---|---|---|---|"]
+    primary = result["primary_metric"]
+    caption = (f"{result['device']}, torch {result['torch']}"
+               + (f", CUDA {result['cuda']}" if result["cuda"] else "")
+               + f", precision {result['precision']}, {result['task']}, {result['examples']} test "
+               f"examples (batch size 1: the first {result['single_examples']}), median of "
+               f"{result['repeats']} passes; baselines scored on the {result['examples']}")
+    if result["note"]:
+        caption += f"; {result['note']}"
+    if result["sequential_equals_generate"] is not None:
+        caption += (f"; sequential's tokens {'equal' if result['sequential_equals_generate'] else 'DIFFER FROM'}"
+                    f" transformers generate's")
+    lines = [caption, "", f"| decoder | batch | ex/s | speedup | peak MB | memory vs first | calls/ex "
+             f"| {primary} | bound hits |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['decoder']} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['peak_memory_mb']:.1f} | "
-                     f"{r['decoder_calls_per_example']:.1f} |")
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
+        memory = "-" if r["memory_vs_first"] is None else f"{r['memory_vs_first']:.2f}"
+        label = r["decoder"] + (" (not learned)" if r["not_learned"] else "")
+        lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | {speedup} | "
+                     f"{r['peak_memory_mb']:.1f} | {memory} | {r['decoder_calls_per_example']:.1f} | "
+                     f"{r['quality'][primary]:.3f} | {r['bound_hit_fraction']:.0%} |")
+    baselines = result["baselines"]
+    if baselines:
+        lines += ["", "Baselines (no model): " + "; ".join(
+            f"{b['baseline']} {b['quality'][primary]:.3f}" for b in baselines)]
+    lines += [f"Not learned: {r['decoder']} (batch {r['batch_size']}): {r['not_learned']}"
+              for r in result["rows"] if r["not_learned"]]
+    lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -129,11 +142,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", action="append", required=True, metavar="NAME=PATH",
                         help="a checkpoint written by tasks.fit, under a row name (repeat; the "
-                             "first is the speedup's reference)")
+                             "first is the speedup's reference); a registered decoder's name "
+                             "decodes it with that decoder")
+    parser.add_argument("--drafter", default=None, metavar="NAR_CKPT",
+                        help="the nar checkpoint a drafting decoder's row (aggressive) drafts with")
     parser.add_argument("--batch-sizes", default="1,64")
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--examples", type=int, default=None, help="first N test examples (all)")
+    parser.add_argument("--single-examples", type=int, default=None,
+                        help="time and score batch size 1 on the first N of those (all)")
     parser.add_argument("--out", default="results/gpu_benchmark.json")
     args = parser.parse_args(argv)
     try:
@@ -141,7 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as err:
         raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: comma-separated integers") from err
     for flag, values in (("--batch-sizes", batch_sizes), ("--repeats", [args.repeats]),
-                         ("--examples", [args.examples or 1])):
+                         ("--examples", [1 if args.examples is None else args.examples]),
+                         ("--single-examples",
+                          [1 if args.single_examples is None else args.single_examples])):
         if min(values) < 1:
             raise ConfigError(f"{flag}: every value must be >= 1, got {values}")
     paths = parse_checkpoints(args.ckpt)
@@ -150,28 +170,36 @@ def main(argv: list[str] | None = None) -> dict:
     note = "" if cuda else CPU_NOTE
     if note:
         log.warning(note)
-    modules, datamodule = {}, None
+    modules, cfgs, datamodule = {}, {}, None
     for name, path in paths.items():
-        built = restore_as_trained(path)
+        cfgs[name], built = restored(name, path, args.drafter)
         modules[name] = built.module.to(device).eval()
         datamodule = datamodule or built.datamodule
     first = next(iter(modules.values()))
+    test = datamodule.dataset("test").examples[:args.examples]
     identical = None
     if first.decoder.name == "sequential":  # transformers' generate beside it, same backbone
-        modules["transformers generate"] = SimpleNamespace(
-            decoder=TransformersGenerate(first.decoder), backbone=first.backbone)
-        test = datamodule.dataset("test").examples[:args.examples]
+        modules[GENERATE] = SimpleNamespace(
+            decoder=TransformersGenerate(first.decoder.max_new_tokens, first.decoder.special),
+            backbone=first.backbone)
         batches = [move_data_to_device(datamodule.collate(test[i:i + 16]), device)
                    for i in range(0, len(test), 16)]
-        identical = same_outputs(first, modules["transformers generate"], batches, device,
-                                 args.precision)
+        identical = same_outputs(first, modules[GENERATE], batches, device, args.precision)
     with flushed_denormals(device):
-        rows = benchmark(modules, datamodule, device, batch_sizes, args.precision, args.repeats,
-                         args.examples)
-    examples = len(datamodule.dataset("test").examples[:args.examples])
+        rows = benchmark(modules, cfgs, datamodule, device, batch_sizes, args.precision,
+                         args.repeats, args.examples, args.single_examples)
+    cfg = cfgs[next(iter(paths))]
+    baselines = [entry for entry, _ in scored_baselines(cfg, datamodule, args.examples)]
+    primary = primary_metric(cfg.task.name)
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
-              "precision": args.precision, "repeats": args.repeats, "examples": examples,
-              "sequential_equals_generate": identical, "rows": rows}
+              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+              "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
+              "examples": len(test), "single_examples": min(args.single_examples or len(test), len(test)),
+              "sequential_equals_generate": identical,
+              "primary_metric": primary, "baselines": baselines,
+              "rows": judged(rows, baselines, primary),
+              "command": "python -m tasks.bench.gpu_benchmark " + " ".join(
+                  sys.argv[1:] if argv is None else argv)}
     write_report(args.out, result, markdown(result))
     print(markdown(result))
     return result

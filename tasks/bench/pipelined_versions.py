@@ -6,7 +6,7 @@ Both are timed side by side with sequential, on the same trained checkpoints.
 
 `decoders/pipelined.py` at git revision REV is loaded as a separate module (unregistered) and
 built with the checkpoint's options; both versions must give the same outputs (subsequences, calls,
-tokens and bound flags, checked at batch size 16). Timed by `tasks.bench.gpu_benchmark`'s harness on the
+tokens and bound flags, checked at batch size 16). Timed by `tasks.bench.timing` on the
 CPU: batch sizes 1 and 16, one thread, denormals flushed, the three decoders interleaved, median of
 3 passes.
 """
@@ -19,9 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 
+from tasks.bench.timing import time_decoders
 from tasks.comparison.plan import parse_checkpoints
-from tasks.bench.gpu_benchmark import benchmark
 from tasks.test import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,12 +71,15 @@ def outputs(decoder) -> list:
 
 
 print(f"outputs identical: {outputs(old) == outputs(now)}")
-rows = benchmark(modules, data, torch.device("cpu"), [1, 16], "fp32", repeats=3, examples=args.examples)
 for batch_size in (1, 16):
-    row = {r["decoder"]: r for r in rows if r["batch_size"] == batch_size}
-    ratio = row["sequential"]["decoder_calls_per_example"] / row["pipelined now"]["decoder_calls_per_example"]
+    batches = [move_data_to_device(data.collate(test[i:i + batch_size]), "cpu")
+               for i in range(0, len(test), batch_size)]
+    timings = time_decoders(modules, batches, torch.device("cpu"), "fp32", repeats=3)
+    reference = timings["sequential"]
+    ratio = reference.calls_per_example / timings["pipelined now"].calls_per_example
     print(f"batch {batch_size}: call ratio {ratio:.2f}; " + "; ".join(
-        f"{name} {r['examples_per_second']:.1f} ex/s"
+        f"{name} {len(test) / timing.seconds:.1f} ex/s"
         + ("" if name == "sequential" else
-           f" = {r['speedup']:.2f}x ({r['speedup'] / ratio:.0%} of the call ratio)")
-        for name, r in row.items()))
+           f" = {reference.seconds / timing.seconds:.2f}x "
+           f"({reference.seconds / timing.seconds / ratio:.0%} of the call ratio)")
+        for name, timing in timings.items()))

@@ -1,0 +1,154 @@
+"""This library's exact decoders beside transformers' own fast paths, on the same trained model.
+
+    python -m tasks.bench.peers --ckpt SEQUENTIAL.ckpt [--blockwise BLOCKWISE.ckpt] \\
+        [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] [--repeats 3] \\
+        [--examples N] [--single-examples N] [--threads 1] [--out FILE.json]
+
+On the checkpoint's test inputs, timed side by side (interleaved, median of `--repeats` passes
+after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
+- transformers' greedy `generate` (the reference of every ratio and of "identical");
+- `generate(prompt_lookup_num_tokens=K)` for every K of `--prompt-lookup`: transformers' prompt
+  lookup, which on an encoder-decoder model matches n-grams of the decoder's own tokens only, and
+  which transformers refuses at batch size above 1;
+- this library's sequential and lookup decoders on the same weights, and its blockwise decoder
+  on the `--blockwise` checkpoint (heads trained on that sequential model) when given.
+At batch size 1 every row runs; at `--batch-size` every row that can. Per row: whether its tokens
+equal greedy `generate`'s on every example, the model's decoder passes per example, its speed
+over greedy `generate`'s and its peak memory (on CUDA `max_memory_allocated`, on a CPU the growth
+of the C heap). Without CUDA the figures are CPU figures and the output says so.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from types import SimpleNamespace
+
+import torch
+from lightning.pytorch.utilities import move_data_to_device
+
+from tasks.bench.timing import PRECISIONS, TransformersGenerate, restored, time_decoders
+from tasks.comparison.measure import flushed_denormals
+from tasks.config import ConfigError
+from tasks.run import log, main_guard, write_report
+
+GREEDY = "transformers greedy"
+CPU_NOTE = "no CUDA device: CPU figures (host clock, denormals flushed), not GPU figures"
+
+
+def prompt_lookup_name(tokens: int) -> str:
+    return f"transformers prompt lookup {tokens}"
+
+
+def positive_integers(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError as err:
+        raise ConfigError(f"{flag} {text!r}: comma-separated integers") from err
+    if min(values) < 1:
+        raise ConfigError(f"{flag} {text!r}: every value must be >= 1")
+    return values
+
+
+def rows_at(batch_size: int, modules: dict, datamodule, test, device, precision: str,
+            repeats: int) -> list[dict]:
+    """Every module timed at `batch_size` on the same batches; ratios and "identical" against
+    greedy `generate`, the first module."""
+    batches = [move_data_to_device(datamodule.collate(test[i:i + batch_size]), device)
+               for i in range(0, len(test), batch_size)]
+    timings = time_decoders(modules, batches, device, precision, repeats)
+    reference = timings[GREEDY]
+    return [{"decoder": name, "batch_size": batch_size,
+             "identical_to_greedy": timing.subsequences() == reference.subsequences(),
+             "decoder_calls_per_example": timing.calls_per_example,
+             "examples_per_second": len(test) / timing.seconds,
+             "speed_vs_greedy": reference.seconds / timing.seconds,
+             "peak_memory_mb": timing.peak_memory_mb}
+            for name, timing in timings.items()]
+
+
+def markdown(result: dict) -> str:
+    caption = (f"{result['device']}, torch {result['torch']}"
+               + (f", CUDA {result['cuda']}" if result["cuda"] else f", {result['threads']} thread(s)")
+               + f", precision {result['precision']}, {result['task']}, {result['examples']} test "
+               f"examples (batch size 1: the first {result['single_examples']}), median of "
+               f"{result['repeats']} passes")
+    if result["note"]:
+        caption += f"; {result['note']}"
+    lines = [caption, "", "| decoder | batch | identical to greedy | calls/ex | ex/s | vs greedy "
+             "| peak MB |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['decoder']} | {r['batch_size']} | "
+                     f"{'yes' if r['identical_to_greedy'] else 'NO'} | "
+                     f"{r['decoder_calls_per_example']:.1f} | {r['examples_per_second']:.1f} | "
+                     f"{r['speed_vs_greedy']:.2f}x | {r['peak_memory_mb']:.1f} |")
+    lines += ["", f"transformers' prompt lookup runs at batch size 1 only (\"assisted generate is "
+              f"only supported for batch_size = 1\"): it has no row at batch size "
+              f"{result['batch_size']}.", "", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="a sequential checkpoint written by tasks.fit")
+    parser.add_argument("--blockwise", default=None, help="a blockwise checkpoint (heads on it)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--prompt-lookup", default="4,10",
+                        help="prompt_lookup_num_tokens settings of transformers' rows")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--examples", type=int, default=None, help="first N test examples (all)")
+    parser.add_argument("--single-examples", type=int, default=None,
+                        help="time batch size 1 on the first N of those (all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
+    parser.add_argument("--out", default="results/peers.json")
+    args = parser.parse_args(argv)
+    lookups = positive_integers("--prompt-lookup", args.prompt_lookup)
+    for flag, value in (("--batch-size", args.batch_size), ("--repeats", args.repeats),
+                        ("--examples", 1 if args.examples is None else args.examples),
+                        ("--single-examples",
+                         1 if args.single_examples is None else args.single_examples),
+                        ("--threads", args.threads)):
+        if value < 1:
+            raise ConfigError(f"{flag}: must be >= 1, got {value}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    note = "" if cuda else CPU_NOTE
+    if note:
+        log.warning(note)
+        torch.set_num_threads(args.threads)
+    cfg, built = restored("sequential", args.ckpt)
+    sequential = built.module.to(device).eval()
+    bound, special = sequential.decoder.max_new_tokens, sequential.decoder.special
+    batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
+                                       backbone=sequential.backbone),
+               "sequential": sequential,
+               "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
+    if args.blockwise is not None:
+        batched["blockwise"] = restored("blockwise", args.blockwise)[1].module.to(device).eval()
+    single = {GREEDY: batched[GREEDY],
+              **{prompt_lookup_name(k): SimpleNamespace(
+                  decoder=TransformersGenerate(bound, special, prompt_lookup_num_tokens=k),
+                  backbone=sequential.backbone) for k in lookups},
+              **{name: module for name, module in batched.items() if name != GREEDY}}
+    datamodule = built.datamodule
+    test = datamodule.dataset("test").examples[:args.examples]
+    with flushed_denormals(device):
+        rows = (rows_at(1, single, datamodule, test[:args.single_examples], device,
+                        args.precision, args.repeats)
+                + rows_at(args.batch_size, batched, datamodule, test, device, args.precision,
+                          args.repeats))
+    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
+              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+              "threads": None if cuda else args.threads, "task": cfg.task.name,
+              "precision": args.precision, "repeats": args.repeats, "examples": len(test),
+              "single_examples": len(test[:args.single_examples]),
+              "batch_size": args.batch_size, "rows": rows,
+              "command": "python -m tasks.bench.peers " + " ".join(
+                  sys.argv[1:] if argv is None else argv)}
+    write_report(args.out, result, markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The commands behind results/gpu/: the paper's comparison on a CUDA device. Run from the
+# repository root. On a machine without CUDA the same commands run on the CPU, and every table they
+# write says that its figures are CPU figures, not GPU figures.
+#
+#   tasks/bench/run_gpu_benchmarks.sh fit TASK     # t5-small-sized models from random weights on the
+#                                                  # task's built-in data, at its default budget:
+#                                                  # sequential, pipelined and nar, then blockwise heads
+#                                                  # on the frozen sequential model
+#   tasks/bench/run_gpu_benchmarks.sh bench TASK   # on those checkpoints, at batch sizes 1 and 64, in
+#                                                  # fp32 and in bf16: tasks.bench.gpu_benchmark (six
+#                                                  # decoders; lookup and aggressive decode the sequential
+#                                                  # model, aggressive drafting with the nar one) and
+#                                                  # tasks.bench.peers (transformers' fast paths)
+#   tasks/bench/run_gpu_benchmarks.sh builtin TASK...  # fit every TASK at once (the fits share the
+#                                                  # device), then bench each alone
+#
+# Checkpoints and MLflow runs go under $RUNS (default mlruns/gpu), one store per fit; the timings
+# run one at a time, with nothing else on the device, on the first $EXAMPLES test examples
+# (default 64; batch size 1 on the first $SINGLE of them, default 16), the median of 3 interleaved
+# passes. $FIT_OVERRIDES (key=value ...) is added to
+# every fit (a quick check of the script: a smaller model and budget).
+set -euo pipefail
+RUNS=${RUNS:-mlruns/gpu}
+EXAMPLES=${EXAMPLES:-64}
+SINGLE=${SINGLE:-16}
+# t5-small's shape (Raffel et al.), from random weights, with the library's locally trained tokenizer
+SMALL="model.d_model=512 model.d_ff=2048 model.d_kv=64 model.num_heads=8 model.num_layers=6
+       model.num_decoder_layers=6 model.lr=${LR:-5e-4}"
+QUIET="trainer.enable_progress_bar=false eval.batch_size=64"
+
+fit_one() {  # TASK DECODER [key=value ...]: one fit into its own store under $RUNS/TASK/DECODER
+    local task=$1 decoder=$2; shift 2
+    local home="$RUNS/$task/$decoder"
+    mkdir -p "$home"
+    python -m tasks.fit --task "$task" --decoder "$decoder" $SMALL $QUIET ${FIT_OVERRIDES:-} \
+        tracking.uri="sqlite:///$home/mlflow.db" tracking.artifact_location="$home/artifacts" \
+        data.tokenizer_cache="$home/tokenizer" "$@" > "$home/fit.log" 2>&1
+}
+
+checkpoint() {  # TASK DECODER: the tested (best) checkpoint of that fit
+    ls "$RUNS/$1/$2"/artifacts/*/checkpoints/epoch*.ckpt
+}
+
+fit_task() {
+    local task=$1
+    fit_one "$task" pipelined & local pipelined=$!
+    fit_one "$task" nar & local nar=$!
+    fit_one "$task" sequential
+    fit_one "$task" blockwise train.init_from="$(checkpoint "$task" sequential)" \
+        decoder.freeze_backbone=true
+    wait $pipelined $nar
+}
+
+bench_task() {  # every command runs, and the task fails at the end if any failed
+    local task=$1 s p b n failed=0
+    s=$(checkpoint "$task" sequential); p=$(checkpoint "$task" pipelined)
+    b=$(checkpoint "$task" blockwise); n=$(checkpoint "$task" nar)
+    mkdir -p results/gpu
+    for precision in fp32 bf16; do
+        python -m tasks.bench.gpu_benchmark --ckpt sequential="$s" --ckpt pipelined="$p" \
+            --ckpt blockwise="$b" --ckpt nar="$n" --ckpt lookup="$s" --ckpt aggressive="$s" \
+            --drafter "$n" --batch-sizes 1,64 --precision $precision --repeats 3 \
+            --examples "$EXAMPLES" --single-examples "$SINGLE" \
+            --out "results/gpu/builtin_${task}_$precision.json" || failed=1
+        python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --batch-size 64 \
+            --precision $precision --repeats 3 --examples "$EXAMPLES" --single-examples "$SINGLE" \
+            --out "results/gpu/peers_${task}_$precision.json" || failed=1
+    done
+    return $failed
+}
+
+case "${1:-}" in
+    fit) fit_task "$2" ;;
+    bench) bench_task "$2" ;;
+    builtin)
+        shift
+        pids=()
+        for task in "$@"; do fit_task "$task" & pids+=($!); done
+        wait "${pids[@]}"
+        for task in "$@"; do bench_task "$task"; done ;;
+    *) sed -n '2,20p' "$0"; exit 2 ;;
+esac

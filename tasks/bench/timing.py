@@ -1,0 +1,129 @@
+"""Decode-only timing of trained models, shared by the benchmarks that time checkpoints
+(`gpu_benchmark`, `peers`, `pipelined_versions`): a checkpoint restored under a row's decoder, one
+decode timed on the GPU's own clock or the
+host's, transformers' `generate` wrapped as a decoder, and the interleaved passes over the same
+prepared batches that every row is timed on.
+
+On a CUDA device a decode is timed with CUDA events (no host sync inside the timed region other
+than the decoder's own) and its memory by `max_memory_allocated`; elsewhere with the host clock and
+the growth of the C heap (`tasks.comparison.measure.PeakMemory`). `precision="bf16"` decodes under
+bf16 autocast.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from decoders import available, decoder_class
+from decoders.base import DecodeOutput, SpecialTokens
+from decoders.loop import split_flat_output
+from tasks.comparison.measure import PeakMemory
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.test import checkpoint_config, restore
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def restored(name: str, path: str, drafter: str | None = None):
+    """(configuration, `Built`) of the checkpoint at `path`, decoded by decoder `name` where `name`
+    is a registered decoder (one of the trained layout; else by the decoder it was trained with),
+    drafting with the checkpoint `drafter` where that decoder drafts with another model."""
+    checkpoint = load_checkpoint(path)
+    overrides = [f"decoder={name}"] if name in available() else []
+    if drafter is not None and name in available() and decoder_class(name).drafts_with:
+        overrides.append(f"decoder.drafter={drafter}")
+    cfg = checkpoint_config(checkpoint, path, overrides)
+    return cfg, restore(checkpoint, path, cfg)
+
+
+def timed(decoder, model, batch: dict, device: torch.device, precision: str):
+    """(DecodeOutput, seconds) of one decode: CUDA events on a GPU, the host clock elsewhere."""
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                else nullcontext())
+    with torch.inference_mode(), autocast:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1000.0
+        started = time.perf_counter()
+        out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
+        return out, time.perf_counter() - started
+
+
+class TransformersGenerate:
+    """transformers' own greedy `generate` as a decoder, with the flat output of a sequential
+    decoder bounded at `max_new_tokens`; with `prompt_lookup_num_tokens`, its prompt-lookup
+    assisted decoding (which transformers runs at batch size 1 only)."""
+
+    def __init__(self, max_new_tokens: int, special: SpecialTokens,
+                 prompt_lookup_num_tokens: int | None = None):
+        self.max_new_tokens = max_new_tokens
+        self.special = special
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+
+    def generate(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DecodeOutput:
+        lookup = ({} if self.prompt_lookup_num_tokens is None
+                  else {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens})
+        calls = []   # the model's decoder passes: the generated length for greedy, fewer when assisted
+        counting = model.get_decoder().register_forward_pre_hook(lambda *_: calls.append(1))
+        try:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                 num_beams=1, max_new_tokens=self.max_new_tokens, **lookup)
+        finally:
+            counting.remove()
+        rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
+                for row in out[:, 1:].tolist()]   # what follows an end token is padding
+        split = [split_flat_output(row, self.special) for row in rows]
+        return DecodeOutput(subsequences=[subs for subs, _ in split],
+                            decoder_calls=[len(calls)] * len(rows), tokens=[len(r) for r in rows],
+                            hit_max_steps=[not ended for _, ended in split],
+                            batch_decoder_calls=len(calls))
+
+
+@dataclass
+class Timing:
+    """One decoder timed over the batches: the seconds of every pass, its decoder calls per example,
+    the peak memory of one more pass, and the outputs of the last timed pass, one per batch."""
+    pass_seconds: list[float]
+    calls_per_example: float
+    peak_memory_mb: float
+    outputs: list[DecodeOutput] = field(repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.pass_seconds)
+
+    def subsequences(self) -> list[list[list[int]]]:
+        return [subs for out in self.outputs for subs in out.subsequences]
+
+
+def time_decoders(modules: dict, batches: list[dict], device: torch.device, precision: str,
+                  repeats: int) -> dict[str, Timing]:
+    """Every module of `modules` (name -> an object with `.decoder` and `.backbone`) timed on the
+    same `batches` (already on `device`): a warm-up decode each, then `repeats` passes, the modules
+    interleaved within each pass so that slow drifts of the machine touch all of them alike."""
+    for module in modules.values():
+        timed(module.decoder, module.backbone, batches[0], device, precision)
+    seconds: dict[str, list[float]] = {name: [] for name in modules}
+    outputs: dict[str, list[DecodeOutput]] = {}
+    for _ in range(repeats):
+        for name, module in modules.items():
+            runs = [timed(module.decoder, module.backbone, b, device, precision) for b in batches]
+            seconds[name].append(sum(s for _, s in runs))
+            outputs[name] = [out for out, _ in runs]
+    examples = sum(b["input_ids"].size(0) for b in batches)
+    timings = {}
+    for name, module in modules.items():
+        with PeakMemory(device) as memory:
+            for batch in batches:
+                timed(module.decoder, module.backbone, batch, device, precision)
+        calls = sum(sum(out.decoder_calls) for out in outputs[name])
+        timings[name] = Timing(seconds[name], calls / examples, memory.peak_mb, outputs[name])
+    return timings
