@@ -84,7 +84,9 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         self.top_k = int(top_k)
         self.max_new_tokens = int(max_new_tokens)
         self.drafter_iterations = drafter_iterations
-        # attached, not submodules: the drafter is its own checkpoint, never saved with this one
+        # attached, not submodules: the drafter is its own checkpoint, never saved with this one,
+        # and moving or training this decoder leaves it alone (`drafter_parts` puts it beside the
+        # inputs it drafts for; it always decodes in eval mode)
         self.attached: tuple[MaskPredictDecoder, torch.nn.Module] | None = None
 
     def attach_drafter(self, nar_decoder: MaskPredictDecoder, nar_model: torch.nn.Module) -> None:
@@ -92,32 +94,26 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         decoding with `drafter_iterations` Mask-Predict iterations where set."""
         if self.drafter_iterations is not None:
             nar_decoder.iterations = int(self.drafter_iterations)
-        self.attached = (nar_decoder, nar_model)
-
-    # the attached drafter follows the decoder's device, dtype and train/eval mode
-    def _apply(self, fn, recurse=True):
-        for module in self.attached or ():
-            module._apply(fn, recurse)
-        return super()._apply(fn, recurse)
-
-    def train(self, mode: bool = True):
-        for module in self.attached or ():
-            module.train(mode)
-        return super().train(mode)
+        self.attached = (nar_decoder.eval(), nar_model.eval())
 
     # ---- drafting ----------------------------------------------------------------------------
     @property
     def draft_width(self) -> int:
         return self.draft_tokens
 
-    def drafter_parts(self) -> tuple[MaskPredictDecoder, torch.nn.Module]:
+    def drafter_parts(self, device: torch.device) -> tuple[MaskPredictDecoder, torch.nn.Module]:
+        """The attached drafter, on `device` (moved there once, where the verifier was moved)."""
         if self.attached is None:
             raise RuntimeError("the aggressive decoder has no drafter: attach one with attach_drafter "
                                "(the tasks layer does, from decoder.drafter=NAR_CKPT)")
+        nar, nar_model = self.attached
+        weight = next(nar_model.parameters(), None)
+        if weight is not None and weight.device != device:   # a host attribute: no sync
+            self.attached = (nar.to(device), nar_model.to(device))
         return self.attached
 
     def begin_drafts(self, model, input_ids, attention_mask, encoder_states):
-        nar, nar_model = self.drafter_parts()
+        nar, nar_model = self.drafter_parts(input_ids.device)
         nar_states = encode(nar_model, input_ids, attention_mask)
         tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, attention_mask)
         padded = tokens.new_full((len(tokens), nar.max_length), self.special.pad)
@@ -165,7 +161,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         """Draft again, with the verified prefix given, the live `rows`, whose counts are `given`
         and whose drafts have `lengths` tokens: at the same length where the draft disagrees, and
         `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out."""
-        nar, nar_model = self.drafter_parts()
+        nar, nar_model = self.drafter_parts(state.tokens.device)
         columns = state.tokens.size(1)
         new_lengths = [length if prefix < length else min(columns, prefix + self.draft_tokens)
                        for prefix, length in zip(given, lengths)]

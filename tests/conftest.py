@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from decoders import SpecialTokens
+from decoders import SpecialTokens, build_decoder
 
 VOCAB = 64
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
@@ -153,3 +153,23 @@ def save_checkpoint(module, path) -> str:
     module.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, path)
     return str(path)
+
+
+def sequential(model, max_new_tokens: int):
+    """The sequential decoder at bound `max_new_tokens`: the reference of every exact decoder."""
+    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=max_new_tokens)
+
+
+def greedy_outputs(model, input_ids, attention_mask, bound: int) -> list[list[int]]:
+    """Each row's greedy tokens, up to its end token (included) or the bound: transformers' own
+    `generate`, the reference the sequential decoder equals."""
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         num_beams=1, max_new_tokens=bound)[:, 1:].tolist()
+    return [row[: row.index(SPECIAL.eos) + 1] if SPECIAL.eos in row else row for row in out]
+
+
+def assert_same_output(out, ref):
+    """Two decodes give the same output: subsequences, tokens and bound flags."""
+    assert out.subsequences == ref.subsequences
+    assert out.tokens == ref.tokens
+    assert out.hit_max_steps == ref.hit_max_steps

@@ -12,7 +12,8 @@ from torch import nn
 from decoders import build_decoder
 from decoders.backbone import output_logits
 from decoders.nar import MaskPredictDecoder, tokens_to_remask
-from tests.conftest import SPECIAL, VOCAB, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, VOCAB, assert_same_output, greedy_outputs, random_batch,
+                            sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -20,28 +21,10 @@ BOUND = 20
 JUNK = 7  # a filler token for scripted drafts past the verifier's output
 
 
-def sequential(model):
-    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=BOUND)
-
-
 def aggressive(model, drafter, drafter_model, **options):
     decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, **options)
     decoder.attach_drafter(drafter, drafter_model)
     return decoder
-
-
-def greedy_outputs(model, input_ids, attention_mask) -> list[list[int]]:
-    """Every example's greedy tokens, end token included (the sequential decoder's, through
-    transformers' generate, which it equals)."""
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                         num_beams=1, max_new_tokens=BOUND)[:, 1:].tolist()
-    return [row[: row.index(SPECIAL.eos) + 1] if SPECIAL.eos in row else row for row in out]
-
-
-def assert_same_output(out, ref):
-    assert out.subsequences == ref.subsequences
-    assert out.tokens == ref.tokens
-    assert out.hit_max_steps == ref.hit_max_steps
 
 
 def assert_consistent_telemetry(out, draft_tokens):
@@ -106,7 +89,7 @@ def scripted_case(batch_size, seed, first_draft):
     is `first_draft(i, greedy_i)` and whose re-drafts are the greedy outputs."""
     model = tiny_t5(seed)
     input_ids, attention_mask = random_batch(batch_size, seed=seed + 20)
-    greedy = greedy_outputs(model, input_ids, attention_mask)
+    greedy = greedy_outputs(model, input_ids, attention_mask, BOUND)
     sources = [tuple(row[:n]) for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
     drafter = ScriptedDrafter({s: first_draft(i, g) for i, (s, g) in enumerate(zip(sources, greedy))},
                               dict(zip(sources, greedy)))
@@ -127,7 +110,7 @@ def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens):
     input_ids, attention_mask = random_batch(batch_size, seed=3)
     out = aggressive(model, drafter, drafter_model, draft_tokens=draft_tokens).generate(
         model, input_ids, attention_mask)
-    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, draft_tokens)
 
 
@@ -136,7 +119,7 @@ def test_perfect_drafts_are_all_accepted(draft_tokens):
     model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 1, lambda i, g: g)
     out = aggressive(model, drafter, SourceEcho(), draft_tokens=draft_tokens).generate(
         model, input_ids, attention_mask)
-    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, draft_tokens)
     assert out.stats["redrafts"] == 0 and out.stats["drafter_passes"] == drafter.iterations
     assert out.stats["draft_tokens_accepted"] == out.stats["draft_tokens_offered"]
@@ -153,7 +136,7 @@ def test_missed_drafts_are_drafted_again_after_the_verified_prefix():
         batch, 2, lambda i, g: corrupted(g, range(i, len(g))) if i < batch - 1 else g)
     assert any(len(g) > 3 for g in greedy)
     out = aggressive(model, drafter, SourceEcho(), draft_tokens=3).generate(model, input_ids, attention_mask)
-    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, 3)
     missed = [i for i in range(batch - 1) if i < len(greedy[i])]
     assert out.stats["redrafts"] == len(missed)
@@ -170,7 +153,7 @@ def test_drafts_past_the_end_token_and_drafts_cut_short():
         return g + [JUNK] * 4 if i % 2 == 0 else g[: max(1, len(g) - 2)]
     model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 4, first_draft)
     out = aggressive(model, drafter, SourceEcho(), draft_tokens=4).generate(model, input_ids, attention_mask)
-    assert_same_output(out, sequential(model).generate(model, input_ids, attention_mask))
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, 4)
     cut_short = [i for i in range(1, 8, 2) if len(greedy[i]) > 1]
     assert cut_short and out.stats["redrafts"] >= 1
@@ -198,7 +181,7 @@ def test_relaxed_acceptance_takes_a_runner_up_draft_token_exact_acceptance_does_
     accepts it (leaving greedy decoding), top_k = 1 rejects it."""
     model = tiny_t5(6)
     input_ids, attention_mask = random_batch(8, seed=26)
-    greedy = greedy_outputs(model, input_ids, attention_mask)
+    greedy = greedy_outputs(model, input_ids, attention_mask, BOUND)
     with torch.no_grad():
         decoder_input = model._shift_right(torch.tensor([g[:3] + [0] * (3 - len(g[:3])) for g in greedy]))
         hidden = model(input_ids=input_ids, attention_mask=attention_mask,
@@ -210,7 +193,7 @@ def test_relaxed_acceptance_takes_a_runner_up_draft_token_exact_acceptance_does_
     first = {s: g[:2] + [runner_up[i]] + g[3:] if i in long_enough else g
              for i, (s, g) in enumerate(zip(sources, greedy))}
     drafter = ScriptedDrafter(first, dict(zip(sources, greedy)))
-    reference = sequential(model).generate(model, input_ids, attention_mask)
+    reference = sequential(model, BOUND).generate(model, input_ids, attention_mask)
     exact = aggressive(model, drafter, SourceEcho(), draft_tokens=4).generate(model, input_ids, attention_mask)
     assert_same_output(exact, reference)
     relaxed = aggressive(model, drafter, SourceEcho(), draft_tokens=4, top_k=2).generate(

@@ -11,8 +11,8 @@ from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
-from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
-                            first_batch_where, random_batch, tiny_t5)
+from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, assert_same_output,
+                            briefly_trained, first_batch_where, random_batch, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -23,10 +23,6 @@ def blockwise(model, **options):
     return build_decoder("blockwise", model.config, SPECIAL, **options)
 
 
-def sequential(model, max_new_tokens):
-    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=max_new_tokens)
-
-
 def randomise_heads(decoder, seed):
     """Fresh heads are copies of the base head (W2 = 0); random W2 makes them propose garbage."""
     g = torch.Generator().manual_seed(seed)
@@ -34,12 +30,6 @@ def randomise_heads(decoder, seed):
         for head in decoder.heads:
             head.w2.weight.copy_(torch.randn(head.w2.weight.shape, generator=g))
     return decoder
-
-
-def assert_same_output(out, ref):
-    assert out.subsequences == ref.subsequences
-    assert out.tokens == ref.tokens
-    assert out.hit_max_steps == ref.hit_max_steps
 
 
 def assert_consistent_counters(out):

@@ -57,7 +57,8 @@ def test_every_command_is_listed_under_its_group_with_what_it_does(groups):
         "train and evaluate": ["python -m tasks.fit", "python -m tasks.test", "python -m tasks.compare"]
         + (["python -m tasks.predict"] if (ROOT / "tasks" / "predict.py").is_file() else []),
         "experiments": modules("experiments"),
-        "benchmarks": modules("bench") + ["tasks/bench/run_benchmarks.sh"],
+        "benchmarks": modules("bench") + ["tasks/bench/run_benchmarks.sh",
+                                          "tasks/bench/run_gpu_benchmarks.sh"],
     }
     for heading, commands in expected.items():
         assert sorted(groups[heading]) == sorted(commands), heading

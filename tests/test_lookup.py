@@ -13,7 +13,8 @@ from decoders.base import Decoder
 from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
-from tests.conftest import SPECIAL, VOCAB, first_batch_where, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, VOCAB, assert_same_output, first_batch_where, greedy_outputs,
+                            random_batch, sequential, tiny_t5)
 from tests.test_blockwise import CHAIN, rigged_model
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
@@ -23,23 +24,6 @@ EOS, SEP = SPECIAL.eos, SPECIAL.sep
 
 def lookup(model, **options):
     return build_decoder("lookup", model.config, SPECIAL, **options)
-
-
-def sequential(model, max_new_tokens):
-    return build_decoder("sequential", model.config, SPECIAL, max_new_tokens=max_new_tokens)
-
-
-def assert_same_output(out, ref):
-    assert out.subsequences == ref.subsequences
-    assert out.tokens == ref.tokens
-    assert out.hit_max_steps == ref.hit_max_steps
-
-
-def greedy_outputs(model, input_ids, attention_mask, bound) -> list[list[int]]:
-    """Each row's greedy tokens, up to its end token or the bound (transformers' generate)."""
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                         num_beams=1, max_new_tokens=bound)[:, 1:].tolist()
-    return [row[: row.index(EOS) + 1] if EOS in row else row for row in out]
 
 
 def sources(input_ids, attention_mask) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """Benchmarks, one command per module; shared here: the tiny random T5 they decode, its inputs, the
-decoders' bounds, and one counted decode of a batch by every decoder and by transformers' generate.
+decoders' bounds, one counted decode of a batch by every decoder and by transformers' generate, and
+a trained checkpoint restored under a row's decoder.
 
 The model's outputs end at different steps, so the finish-and-drop logic of every decoder runs;
 the same inputs go to every decoder.
@@ -15,6 +16,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
 from decoders.aggressive import AggressiveDecoder
+from tasks.runs.checkpoints import load_checkpoint
+from tasks.test import checkpoint_config, restore
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"
@@ -92,3 +95,15 @@ def counted_decodes(model, input_ids, attention_mask, steps: int,
                 out = decoder.generate(model, input_ids, attention_mask)
             results[name] = (counter, out.batch_decoder_calls)
     return results
+
+
+def restored(name: str, path: str, drafter: str | None = None):
+    """(configuration, `Built`) of the checkpoint at `path`, decoded by decoder `name` where `name`
+    is a registered decoder (one of the trained layout; else by the decoder it was trained with),
+    drafting with the checkpoint `drafter` where that decoder drafts with another model."""
+    checkpoint = load_checkpoint(path)
+    overrides = [f"decoder={name}"] if name in available() else []
+    if drafter is not None and name in available() and decoder_class(name).drafts_with:
+        overrides.append(f"decoder.drafter={drafter}")
+    cfg = checkpoint_config(checkpoint, path, overrides)
+    return cfg, restore(checkpoint, path, cfg)

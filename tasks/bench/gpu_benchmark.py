@@ -35,10 +35,11 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device
 
 from tasks.baselines import scored_baselines
-from tasks.bench.timing import PRECISIONS, TransformersGenerate, restored, time_decoders, timed
+from tasks.bench import restored
 from tasks.comparison.measure import flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.report import primary_metric, not_learned
+from tasks.comparison.timing import PRECISIONS, TransformersGenerate, time_decoders, timed
 from tasks.config import ConfigError
 from tasks.module import subsequence_texts, task_scores
 from tasks.run import log, main_guard, write_report

@@ -26,8 +26,9 @@ from types import SimpleNamespace
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from tasks.bench.timing import PRECISIONS, TransformersGenerate, restored, time_decoders
+from tasks.bench import restored
 from tasks.comparison.measure import flushed_denormals
+from tasks.comparison.timing import PRECISIONS, TransformersGenerate, time_decoders
 from tasks.config import ConfigError
 from tasks.run import log, main_guard, write_report
 

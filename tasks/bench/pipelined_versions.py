@@ -6,7 +6,7 @@ Both are timed side by side with sequential, on the same trained checkpoints.
 
 `decoders/pipelined.py` at git revision REV is loaded as a separate module (unregistered) and
 built with the checkpoint's options; both versions must give the same outputs (subsequences, calls,
-tokens and bound flags, checked at batch size 16). Timed by `tasks.bench.timing` on the
+tokens and bound flags, checked at batch size 16). Timed by `tasks.comparison.timing` on the
 CPU: batch sizes 1 and 16, one thread, denormals flushed, the three decoders interleaved, median of
 3 passes.
 """
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from tasks.bench.timing import time_decoders
+from tasks.comparison.timing import time_decoders
 from tasks.comparison.plan import parse_checkpoints
 from tasks.test import restore_as_trained
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The commands behind results/gpu/: the paper's comparison on a CUDA device. Run from the
-# repository root. On a machine without CUDA the same commands run on the CPU, and every table they
+# The commands behind results/gpu/: the paper's comparison on a CUDA device, from the repo root.
+# On a machine without CUDA the same commands run on the CPU, and every table they
 # write says that its figures are CPU figures, not GPU figures.
 #
 #   tasks/bench/run_gpu_benchmarks.sh fit TASK     # t5-small-sized models from random weights on the

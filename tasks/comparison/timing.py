@@ -1,6 +1,5 @@
 """Decode-only timing of trained models, shared by the benchmarks that time checkpoints
-(`gpu_benchmark`, `peers`, `pipelined_versions`): a checkpoint restored under a row's decoder, one
-decode timed on the GPU's own clock or the
+(`tasks.bench.gpu_benchmark`, `peers`, `pipelined_versions`): one decode timed on the GPU's own clock or the
 host's, transformers' `generate` wrapped as a decoder, and the interleaved passes over the same
 prepared batches that every row is timed on.
 
@@ -18,26 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoders import available, decoder_class
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import split_flat_output
 from tasks.comparison.measure import PeakMemory
-from tasks.runs.checkpoints import load_checkpoint
-from tasks.test import checkpoint_config, restore
 
 PRECISIONS = ("fp32", "bf16")
-
-
-def restored(name: str, path: str, drafter: str | None = None):
-    """(configuration, `Built`) of the checkpoint at `path`, decoded by decoder `name` where `name`
-    is a registered decoder (one of the trained layout; else by the decoder it was trained with),
-    drafting with the checkpoint `drafter` where that decoder drafts with another model."""
-    checkpoint = load_checkpoint(path)
-    overrides = [f"decoder={name}"] if name in available() else []
-    if drafter is not None and name in available() and decoder_class(name).drafts_with:
-        overrides.append(f"decoder.drafter={drafter}")
-    cfg = checkpoint_config(checkpoint, path, overrides)
-    return cfg, restore(checkpoint, path, cfg)
 
 
 def timed(decoder, model, batch: dict, device: torch.device, precision: str):

@@ -1,0 +1,88 @@
+"""Every draft-and-verify decoder (`decoders.drafts.DraftAndVerifyDecoder`: blockwise, lookup,
+aggressive, and any registered later) gives exactly the greedy output: the sequential decoder's
+and transformers' `generate`'s, in float64, at batch size above 1, on a random model and on a
+briefly trained one whose drafts are accepted, rows accepting different numbers of tokens.
+
+The decoder-specific behaviour (which drafts are offered, how many calls a construction takes) is
+tested in test_blockwise.py, test_lookup.py and test_aggressive.py."""
+import pytest
+import torch
+
+from decoders import available, build_decoder, decoder_class
+from decoders.base import Decoder
+from decoders.drafts import DraftAndVerifyDecoder
+from decoders.loop import split_flat_output
+from tasks.bench import bounded, with_drafter
+from tests.conftest import (SPECIAL, assert_same_output, briefly_trained, first_batch_where,
+                            greedy_outputs, sequential, tiny_t5)
+
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
+
+DRAFTERS = [name for name in available() if issubclass(decoder_class(name), DraftAndVerifyDecoder)]
+BOUND = 20
+
+
+def test_every_draft_and_verify_decoder_is_covered():
+    assert {"blockwise", "lookup", "aggressive"} <= set(DRAFTERS)
+
+
+def accepted_per_row(out) -> list[int]:
+    """Draft tokens each row accepted: every call yields the verifier's own token, and the rest of
+    a row's tokens were drafts it accepted."""
+    return [tokens - calls for tokens, calls in zip(out.tokens, out.decoder_calls)]
+
+
+def assert_greedy(decoder, model, input_ids, attention_mask):
+    """`decoder`'s output is the sequential decoder's and `generate`'s; returns it."""
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
+    expected = [split_flat_output(row, SPECIAL)
+                for row in greedy_outputs(model, input_ids, attention_mask, BOUND)]
+    assert out.subsequences == [subsequences for subsequences, _ in expected]
+    assert out.hit_max_steps == [not ended for _, ended in expected]
+    return out
+
+
+def trained(name: str):
+    """A briefly trained model and decoder `name` ready to decode it: a decoder with a loss of its
+    own (blockwise: base head and proposal heads) trains with it; one that trains nothing is given
+    a model trained with the sequential loss, and one that drafts with another decoder's model
+    (aggressive) a drafter of that kind trained on the same task."""
+    model = tiny_t5(0, initializer_factor=1.0)  # T5's own init scale: a model that learns the task
+    decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, BOUND))
+    learns = decoder if type(decoder).loss is not Decoder.loss else sequential(model, BOUND)
+    model = briefly_trained(learns, model=model)
+    kind = decoder_class(name).drafts_with
+    if kind:
+        drafter_model = tiny_t5(1, initializer_factor=1.0)
+        drafter = build_decoder(kind, drafter_model.config, SPECIAL, **bounded(kind, BOUND))
+        drafter_model = briefly_trained(drafter, model=drafter_model)
+        decoder.attach_drafter(drafter.eval(), drafter_model)
+    return model, decoder.eval()
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_random_model_decodes_greedily(name, seed):
+    model = tiny_t5(seed)
+    decoder = with_drafter(build_decoder(name, model.config, SPECIAL, **bounded(name, BOUND)),
+                           model).eval()
+
+    def varied(input_ids, attention_mask):
+        """outputs of 3 or more lengths, one of them ended by its end token"""
+        out = decoder.generate(model, input_ids, attention_mask)
+        return len(set(out.tokens)) >= 3 and not all(out.hit_max_steps)
+    assert_greedy(decoder, model, *first_batch_where(varied, 6, seed=seed + 30))
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_trained_model_accepts_drafts_and_decodes_greedily(name):
+    model, decoder = trained(name)
+
+    def accepting(input_ids, attention_mask):
+        """drafts accepted, rows accepting different numbers of them"""
+        accepted = accepted_per_row(decoder.generate(model, input_ids, attention_mask))
+        return sum(accepted) > 0 and len(set(accepted)) >= 2
+    input_ids, attention_mask = first_batch_where(accepting, 8, max_len=9, seed=60, tries=40)
+    out = assert_greedy(decoder, model, input_ids, attention_mask)
+    assert sum(accepted_per_row(out)) > 0
