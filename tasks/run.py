@@ -24,6 +24,11 @@ log = logging.getLogger("tasks")
 USER_ERRORS = (ConfigError, DataError, TokenizerError, ModelError)
 
 
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command a result was made by: `python -m MODULE` and its arguments."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
 def write_report(out: str | Path, result: dict, table: str) -> Path:
     """A command's result as FILE.json and its markdown table beside it as FILE.md."""
     out = Path(out)

@@ -28,7 +28,6 @@ tasks.compare measures it) and says so in its output: CPU figures are not GPU fi
 from __future__ import annotations
 
 import argparse
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -39,13 +38,12 @@ from tasks.bench import restored
 from tasks.comparison.measure import flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.report import primary_metric, not_learned
-from tasks.comparison.timing import PRECISIONS, TransformersGenerate, time_decoders, timed
+from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders, timed,
+                                     timing_conditions)
 from tasks.config import ConfigError
 from tasks.module import subsequence_texts, task_scores
-from tasks.run import log, main_guard, write_report
+from tasks.run import command_line, log, main_guard, show_report
 
-CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
-            "not GPU figures")
 GENERATE = "transformers generate"
 
 
@@ -166,11 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
         if min(values) < 1:
             raise ConfigError(f"{flag}: every value must be >= 1, got {values}")
     paths = parse_checkpoints(args.ckpt)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    note = "" if cuda else CPU_NOTE
-    if note:
-        log.warning(note)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    conditions = timing_conditions(device)
+    if conditions["note"]:
+        log.warning(conditions["note"])
     modules, cfgs, datamodule = {}, {}, None
     for name, path in paths.items():
         cfgs[name], built = restored(name, path, args.drafter)
@@ -192,17 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = cfgs[next(iter(paths))]
     baselines = [entry for entry, _ in scored_baselines(cfg, datamodule, args.examples)]
     primary = primary_metric(cfg.task.name)
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
-              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-              "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
-              "examples": len(test), "single_examples": min(args.single_examples or len(test), len(test)),
-              "sequential_equals_generate": identical,
-              "primary_metric": primary, "baselines": baselines,
-              "rows": judged(rows, baselines, primary),
-              "command": "python -m tasks.bench.gpu_benchmark " + " ".join(
-                  sys.argv[1:] if argv is None else argv)}
-    write_report(args.out, result, markdown(result))
-    print(markdown(result))
+    result = {**conditions, "task": cfg.task.name, "precision": args.precision,
+              "repeats": args.repeats, "examples": len(test),
+              "single_examples": len(test[:args.single_examples]),
+              "sequential_equals_generate": identical, "primary_metric": primary,
+              "baselines": baselines, "rows": judged(rows, baselines, primary),
+              "command": command_line("tasks.bench.gpu_benchmark", argv)}
+    show_report(args.out, result, markdown(result))
     return result
 
 

@@ -20,7 +20,6 @@ of the C heap). Without CUDA the figures are CPU figures and the output says so.
 from __future__ import annotations
 
 import argparse
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -28,12 +27,12 @@ from lightning.pytorch.utilities import move_data_to_device
 
 from tasks.bench import restored
 from tasks.comparison.measure import flushed_denormals
-from tasks.comparison.timing import PRECISIONS, TransformersGenerate, time_decoders
+from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
+                                     timing_conditions)
 from tasks.config import ConfigError
-from tasks.run import log, main_guard, write_report
+from tasks.run import command_line, log, main_guard, show_report
 
 GREEDY = "transformers greedy"
-CPU_NOTE = "no CUDA device: CPU figures (host clock, denormals flushed), not GPU figures"
 
 
 def prompt_lookup_name(tokens: int) -> str:
@@ -111,11 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
                         ("--threads", args.threads)):
         if value < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    note = "" if cuda else CPU_NOTE
-    if note:
-        log.warning(note)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    conditions = timing_conditions(device)
+    if conditions["note"]:
+        log.warning(conditions["note"])
         torch.set_num_threads(args.threads)
     cfg, built = restored("sequential", args.ckpt)
     sequential = built.module.to(device).eval()
@@ -138,16 +136,12 @@ def main(argv: list[str] | None = None) -> dict:
                         args.precision, args.repeats)
                 + rows_at(args.batch_size, batched, datamodule, test, device, args.precision,
                           args.repeats))
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "note": note,
-              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-              "threads": None if cuda else args.threads, "task": cfg.task.name,
-              "precision": args.precision, "repeats": args.repeats, "examples": len(test),
-              "single_examples": len(test[:args.single_examples]),
+    result = {**conditions, "threads": None if device.type == "cuda" else args.threads,
+              "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
+              "examples": len(test), "single_examples": len(test[:args.single_examples]),
               "batch_size": args.batch_size, "rows": rows,
-              "command": "python -m tasks.bench.peers " + " ".join(
-                  sys.argv[1:] if argv is None else argv)}
-    write_report(args.out, result, markdown(result))
-    print(markdown(result))
+              "command": command_line("tasks.bench.peers", argv)}
+    show_report(args.out, result, markdown(result))
     return result
 
 

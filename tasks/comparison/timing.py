@@ -22,6 +22,17 @@ from decoders.loop import split_flat_output
 from tasks.comparison.measure import PeakMemory
 
 PRECISIONS = ("fp32", "bf16")
+CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
+            "not GPU figures")
+
+
+def timing_conditions(device: torch.device) -> dict:
+    """What a result timed on `device` records of it: its name, the torch and CUDA versions, and
+    on a CPU the note that the figures are not GPU figures."""
+    cuda = device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(device) if cuda else device.type,
+            "note": "" if cuda else CPU_NOTE, "torch": torch.__version__,
+            "cuda": torch.version.cuda if cuda else None}
 
 
 def timed(decoder, model, batch: dict, device: torch.device, precision: str):
