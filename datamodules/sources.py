@@ -5,8 +5,9 @@ Every source returns records in the schema of `datamodules.schema`, already vali
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, TextIO
 
 from omegaconf import DictConfig
 
@@ -94,3 +95,20 @@ def _local_split(task: str, data: DictConfig, split: str) -> list[dict]:
         raise DataError(f"data.path={data.path!r} is not a folder (it must hold "
                         f"{', '.join(s + '.jsonl' for s in SPLITS)})")
     return read_jsonl(folder / f"{split}.jsonl", task)
+
+
+def write_jsonl(rows: list[dict], path) -> None:
+    """Write rows to `path` through a temporary file, so no half-written file is left behind."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            dump_jsonl(rows, handle)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def dump_jsonl(rows: list[dict], handle: TextIO) -> None:
+    """Rows as JSON lines into an open text stream, non-ASCII characters as they are."""
+    for row in rows:
+        handle.write(json.dumps(row, ensure_ascii=False) + "\n")

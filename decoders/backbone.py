@@ -1,5 +1,6 @@
 """The T5 calls every decoder shares: the encoder once per batch, the output head, the key/value
-cache, and T5's decoder blocks run with a custom self-attention structure."""
+cache, T5's decoder blocks run with a custom self-attention structure, and a function of the
+model run with its weights detached."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,7 @@ import inspect
 from typing import Callable, NamedTuple
 
 import torch
+from torch import nn
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.models.t5.modeling_t5 import T5Block
@@ -177,3 +179,25 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     first calls of each new model or shape compile, which takes seconds to a minute."""
     compiled = torch.compile(run_decoder, dynamic=True)
     return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)(compiled)
+
+
+class _Apply(nn.Module):
+    """`function(model, *args)` as a module call, so that `torch.func.functional_call` can run it
+    with the model's weights swapped for other tensors."""
+
+    def __init__(self, model: nn.Module, function: Callable):
+        super().__init__()
+        self.model = model
+        self.function = function
+
+    def forward(self, *args):
+        return self.function(self.model, *args)
+
+
+def with_frozen_weights(model: nn.Module, function: Callable, *args):
+    """`function(model, *args)` computed with the model's weights detached: gradients flow to
+    `args` (and to modules outside `model`) but never reach the model's parameters, and nothing
+    about the model is changed (its `requires_grad` flags stay as the caller set them)."""
+    weights = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+    # tie_weights (the default) keeps tied parameters (T5's shared embedding and lm_head) tied
+    return torch.func.functional_call(_Apply(model, function), weights, args)

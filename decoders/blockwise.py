@@ -25,15 +25,13 @@ Decode (Section 3, with the paper's combined scoring and proposal: one decoder c
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
-from decoders.backbone import at_least_float32, encode, output_logits
+from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
 from decoders.drafts import DraftAndVerifyDecoder
 from decoders.sequential import SequentialDecoder
 
@@ -111,15 +109,16 @@ class BlockwiseDecoder(DraftAndVerifyDecoder):
                                    encoder_hidden_states=encoder_states,
                                    encoder_attention_mask=attention_mask).last_hidden_state  # (B, T, d)
             total = _cross_entropy(output_logits(model, hidden), labels)
-        # With a frozen backbone the shared output projection must not learn through the heads
-        # either: project with its weights detached (same computation as `output_logits`).
-        projection = model if not self.freeze_backbone else _detached_projection(model)
         for i, head in enumerate(self.heads, start=1):
             # head i at position t predicts labels[t + i] (base head: labels[t])
             shifted = labels[:, i:]                                  # (B, T - i)
             valid = shifted != -100
-            states = hidden[:, : shifted.size(1)][valid]             # (N, d_model): only scored positions
-            total = total + _cross_entropy(output_logits(projection, head(states)), shifted[valid])
+            states = head(hidden[:, : shifted.size(1)][valid])       # (N, d_model): only scored positions
+            # With a frozen backbone the shared output projection must not learn through the heads
+            # either: project with the model's weights detached.
+            logits = (with_frozen_weights(model, output_logits, states) if self.freeze_backbone
+                      else output_logits(model, states))
+            total = total + _cross_entropy(logits, shifted[valid])
         return total
 
     # ---- generation: draft and verify, the heads draft ------------------------------------------
@@ -142,12 +141,3 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     summed = F.cross_entropy(at_least_float32(logits.reshape(flat.numel(), -1)), flat, ignore_index=-100,
                              reduction="sum")
     return summed / (flat != -100).sum().clamp(min=1)
-
-
-def _detached_projection(model) -> SimpleNamespace:
-    """A stand-in for `model` in `output_logits` whose `lm_head` uses detached weights, so gradients
-    reach the heads but not the (frozen) shared output projection."""
-    weights = {name: p.detach() for name, p in model.lm_head.named_parameters()}
-    return SimpleNamespace(
-        config=model.config,
-        lm_head=lambda hidden: torch.func.functional_call(model.lm_head, weights, (hidden,)))

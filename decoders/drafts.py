@@ -42,8 +42,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 
 from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
                                past_distance_bias_table)
-from decoders.base import DecodeOutput, Decoder
-from decoders.loop import NOT_PRODUCED, LiveRows, read_back, split_flat_output
+from decoders.base import Decoder
+from decoders.loop import NOT_PRODUCED, LiveRows, read_back, flat_decode_output
 
 
 def accepted_length(drafts: torch.Tensor, candidates: torch.Tensor,
@@ -304,14 +304,8 @@ class DraftAndVerifyDecoder(Decoder):
         counters = self.draft_counters(drafts_state)
         read, *counter_values = read_back(produced, *counters.values())   # the one read-back of results
         outputs = [row[:n] for row, n in zip(read, final_counts)]
-        split = [split_flat_output(tokens, self.special) for tokens in outputs]
-        return DecodeOutput(
-            subsequences=[subsequences for subsequences, _ in split],
-            decoder_calls=calls,
-            tokens=[len(tokens) for tokens in outputs],
-            hit_max_steps=[not ended for _, ended in split],
-            batch_decoder_calls=batch_calls,
+        return flat_decode_output(
+            outputs, self.special, calls, batch_calls,
             stats={"accepted_tokens": float(sum(final_counts)), self.calls_stat: float(sum(calls)),
                    **{name: float(value[0] if isinstance(value, list) else value)
-                      for name, value in zip(counters, counter_values)}},
-        )
+                      for name, value in zip(counters, counter_values)}})

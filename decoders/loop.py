@@ -1,11 +1,13 @@
 """What every decoding loop shares: the live rows of a batch with one host synchronisation per
-decoder call, reading results back once at the end, and splitting flat-layout outputs."""
+decoder call, reading results back once at the end, and splitting flat-layout outputs into a
+`DecodeOutput`."""
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
 from datamodules.vocabulary import SpecialTokens
+from decoders.base import DecodeOutput
 
 
 # Fill value of per-position output buffers where no token was produced (every token id is >= 0).
@@ -33,6 +35,21 @@ def split_on(tokens: list[int], sep: int) -> list[list[int]]:
     if current:
         parts.append(current)
     return parts
+
+
+def flat_decode_output(outputs: list[list[int]], special: SpecialTokens, decoder_calls: list[int],
+                       batch_decoder_calls: int, stats: dict | None = None,
+                       hit_max_steps: list[bool] | None = None) -> DecodeOutput:
+    """The `DecodeOutput` of flat-layout outputs (each row's produced tokens, its end token included
+    where it has one): subsequences split at separators up to the end token, the tokens produced
+    counted, and an output without an end token marked as cut by a bound, unless `hit_max_steps`
+    says otherwise."""
+    split = [split_flat_output(tokens, special) for tokens in outputs]
+    return DecodeOutput(subsequences=[subsequences for subsequences, _ in split],
+                        decoder_calls=decoder_calls, tokens=[len(tokens) for tokens in outputs],
+                        hit_max_steps=(hit_max_steps if hit_max_steps is not None
+                                       else [not ended for _, ended in split]),
+                        batch_decoder_calls=batch_decoder_calls, stats=stats or {})
 
 
 def read_back(*tensors: torch.Tensor) -> list[list]:

@@ -63,8 +63,8 @@ from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (at_least_float32, cross_attention_mask, encode, hidden_mask,
                                masked_mean, output_logits, relative_position_bias)
-from decoders.base import DecodeOutput, Decoder
-from decoders.loop import split_flat_output
+from decoders.base import Decoder
+from decoders.loop import flat_decode_output
 from decoders.sequential import join_subsequences
 
 
@@ -342,16 +342,8 @@ class MaskPredictDecoder(Decoder):
         tokens, lengths, calls = self.predict_outputs(model, encoder_states, attention_mask)
         chosen = torch.cat([lengths[:, None], tokens], dim=1).tolist()    # the results' one read-back
 
-        subsequences, chosen_lengths, hit_bound = [], [], []
-        for length, *chosen_tokens in chosen:
-            parts, ended = split_flat_output(chosen_tokens[:length], self.special)
-            subsequences.append(parts)
-            chosen_lengths.append(length)
-            hit_bound.append(length == self.max_length and not ended)
-        return DecodeOutput(
-            subsequences=subsequences,
-            decoder_calls=calls,
-            tokens=chosen_lengths,
-            hit_max_steps=hit_bound,
-            batch_decoder_calls=max(calls),
-        )
+        outputs = [chosen_tokens[:length] for length, *chosen_tokens in chosen]
+        # cut by the bound: a predicted length at the bound with no end token in it
+        hit_bound = [len(tokens) == self.max_length and self.special.eos not in tokens
+                     for tokens in outputs]
+        return flat_decode_output(outputs, self.special, calls, max(calls), hit_max_steps=hit_bound)

@@ -36,9 +36,9 @@ from torch import nn
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
-                               past_distance_bias_table, run_decoder)
-from decoders.base import DecodeOutput, Decoder
-from decoders.loop import read_back, split_flat_output
+                               past_distance_bias_table, run_decoder, with_frozen_weights)
+from decoders.base import Decoder
+from decoders.loop import read_back, flat_decode_output
 from decoders.sequential import SequentialDecoder
 
 
@@ -68,28 +68,6 @@ def one_pass_logits(model, start: int, offsets: torch.Tensor, encoder_states: to
     hidden = run(model, ids, causal_bias(model, width), encoder_states, encoder_mask,
                  position_embeddings=offsets)                          # (B, W, d_model)
     return output_logits(model, hidden)
-
-
-class _Apply(nn.Module):
-    """`function(model, *args)` as a module call, so that `torch.func.functional_call` can run it
-    with the model's weights swapped for other tensors."""
-
-    def __init__(self, model: nn.Module, function: Callable):
-        super().__init__()
-        self.model = model
-        self.function = function
-
-    def forward(self, *args):
-        return self.function(self.model, *args)
-
-
-def with_frozen_weights(model: nn.Module, function: Callable, *args):
-    """`function(model, *args)` computed with the model's weights detached: gradients flow to
-    `args` (and to modules outside `model`) but never reach the model's parameters, and nothing
-    about the model is changed (its `requires_grad` flags stay as the caller set them)."""
-    weights = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
-    # tie_weights (the default) keeps tied parameters (T5's shared embedding and lm_head) tied
-    return torch.func.functional_call(_Apply(model, function), weights, args)
 
 
 class ProtoTokenEncoder(nn.Module):
@@ -178,14 +156,7 @@ class OneStepDecoder(Decoder):
         tokens = one_pass_logits(model, self.special.start, offsets, encoder_states, attention_mask,
                                  self.model_step()).argmax(-1)                   # (B, W)
         rows, = read_back(tokens)                                                # the one sync point
-        split = [split_flat_output(row, self.special) for row in rows]
         # tokens produced: up to and including the end token (what follows it is discarded)
-        produced = [row.index(self.special.eos) + 1 if ended else len(row)
-                    for row, (_, ended) in zip(rows, split)]
-        return DecodeOutput(
-            subsequences=[subsequences for subsequences, _ in split],
-            decoder_calls=[1] * batch_size,
-            tokens=produced,
-            hit_max_steps=[not ended for _, ended in split],
-            batch_decoder_calls=1,
-        )
+        produced = [row[: row.index(self.special.eos) + 1] if self.special.eos in row else row
+                    for row in rows]
+        return flat_decode_output(produced, self.special, [1] * batch_size, 1)

@@ -20,8 +20,8 @@ from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, new_cache, output_logits,
                                past_distance_bias_table)
-from decoders.base import DecodeOutput, Decoder
-from decoders.loop import LiveRows, NOT_PRODUCED, split_flat_output
+from decoders.base import Decoder
+from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
 
 
 def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list[int]:
@@ -81,11 +81,4 @@ class SequentialDecoder(Decoder):
             step_input = next_tokens[:, None]
 
         outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once
-        split = [split_flat_output(tokens, self.special) for tokens in outputs]
-        return DecodeOutput(
-            subsequences=[subsequences for subsequences, _ in split],
-            decoder_calls=[len(tokens) for tokens in outputs],
-            tokens=[len(tokens) for tokens in outputs],
-            hit_max_steps=[not ended for _, ended in split],
-            batch_decoder_calls=step + 1,
-        )
+        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], step + 1)

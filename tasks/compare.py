@@ -71,7 +71,7 @@ from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
                                  open_tracking, run_link, run_status)
 from tasks.runs.trainer import Built, decode_target, decoder_options, score_into_run, train_and_test
-from tasks.test import attach_drafter, restore, tokenizer_identity
+from tasks.runs.restore import attach_drafter, restore, tokenizer_identity
 
 # `plan`'s rows: each one's resolved configuration and the decoder options its sweep set.
 PlannedRows = list[tuple[DictConfig, list[str]]]

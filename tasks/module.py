@@ -8,12 +8,8 @@ reports and how a record's fields feed them, both without a model, so that outpu
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
-from typing import TextIO
 
 import lightning as L
 import numpy as np
@@ -338,20 +334,3 @@ def task_scores(cfg: DictConfig, tokenizer, predictions: list[list[str]],
 def computed_scores(metrics) -> dict[str, float]:
     """Every score of a task's `metrics` (name -> torchmetrics Metric), as plain floats."""
     return {key: float(value) for metric in metrics.values() for key, value in metric.compute().items()}
-
-
-def write_jsonl(rows: list[dict], path) -> None:
-    """Write rows to `path` through a temporary file, so no half-written file is left behind."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            dump_jsonl(rows, handle)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def dump_jsonl(rows: list[dict], handle: TextIO) -> None:
-    """Rows as JSON lines into an open text stream, non-ASCII characters as they are."""
-    for row in rows:
-        handle.write(json.dumps(row, ensure_ascii=False) + "\n")

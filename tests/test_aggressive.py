@@ -263,9 +263,9 @@ def saved_checkpoints(tmp_path_factory):
 def refused_by_test(argv, monkeypatch, capsys) -> str:
     """stderr of tasks.test run as its command line: exit code 2, one message, nothing built."""
     from tasks import run, test as test_entry
-    from tasks.runs import trainer
+    from tasks.runs import restore, trainer
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before refusing"))
-    monkeypatch.setattr(test_entry, "build", lambda *a, **k: pytest.fail("built before refusing"))
+    monkeypatch.setattr(restore, "build", lambda *a, **k: pytest.fail("built before refusing"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         run.main_guard(lambda: test_entry.main(argv))
@@ -368,7 +368,7 @@ def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
 
 def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
     from tasks.runs.checkpoints import load_checkpoint
-    from tasks.test import checkpoint_config, restore_module
+    from tasks.runs.restore import checkpoint_config, restore_module
     path = saved_checkpoints.sequential.path
     checkpoint = load_checkpoint(path)
     cfg = checkpoint_config(checkpoint, path, ["decoder=aggressive", f"decoder.drafter={saved_checkpoints.nar}",

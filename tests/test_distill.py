@@ -10,7 +10,7 @@ from tasks.experiments import distill
 from tasks.config import ConfigError, compose
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.trainer import build
-from tasks.test import checkpoint_config, restore
+from tasks.runs.restore import checkpoint_config, restore
 from tests.test_end_to_end import TINY, tracking
 
 

@@ -6,7 +6,6 @@ briefly trained one whose drafts are accepted, rows accepting different numbers 
 The decoder-specific behaviour (which drafts are offered, how many calls a construction takes) is
 tested in test_blockwise.py, test_lookup.py and test_aggressive.py."""
 import pytest
-import torch
 
 from decoders import available, build_decoder, decoder_class
 from decoders.base import Decoder

@@ -179,7 +179,7 @@ def test_checkpoint_write_is_all_or_nothing(tmp_path, monkeypatch):
 
 
 def test_predictions_write_is_all_or_nothing(tmp_path):
-    from tasks.module import write_jsonl
+    from datamodules.sources import write_jsonl
     path = tmp_path / "predictions.jsonl"
     with pytest.raises(TypeError):
         write_jsonl([{"id": "a"}, {"id": object()}], path)  # the second row cannot be serialised

@@ -14,13 +14,13 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-import tasks.module
+import datamodules.sources
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import TASKS, schema_for
-from datamodules.sources import SPLITS
+from datamodules.sources import SPLITS, write_jsonl
 from tasks import predict, test as test_entry
 from tasks.config import compose
-from tasks.module import GenerationTask, write_jsonl
+from tasks.module import GenerationTask
 from tasks.run import main_guard
 from tasks.runs.checkpoints import load_checkpoint, stored_model
 from tasks.runs.trainer import build
@@ -142,7 +142,7 @@ def test_out_is_written_whole_or_not_at_all(checkpoints, tmp_path, monkeypatch, 
         handle.write(json.dumps(rows[0]) + "\n")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(tasks.module, "dump_jsonl", half_then_fail)
+    monkeypatch.setattr(datamodules.sources, "dump_jsonl", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         predict.main(["--ckpt", model.path, "--input", source, "--out", str(out)])
     assert out.read_text() == before  # the previous file, whole, and no temporary beside it

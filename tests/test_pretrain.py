@@ -16,7 +16,7 @@ from tasks.experiments import pretrain
 from tasks.config import ConfigError, compose
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.trainer import train_and_test
-from tasks.test import checkpoint_config
+from tasks.runs.restore import checkpoint_config
 
 MASK = 4
 TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",

@@ -17,7 +17,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from decoders import SpecialTokens, available, build_decoder, decoder_class
 from decoders.aggressive import AggressiveDecoder
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.test import checkpoint_config, restore
+from tasks.runs.restore import checkpoint_config, restore
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"

@@ -21,7 +21,7 @@ import time
 import torch
 
 from tasks.comparison.plan import parse_checkpoints
-from tasks.test import restore_as_trained
+from tasks.runs.restore import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("checkpoints", nargs="+", metavar="NAME=PATH")

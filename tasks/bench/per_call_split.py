@@ -31,7 +31,7 @@ import decoders.backbone as backbone
 from decoders.blockwise import BlockwiseDecoder
 from tasks.bench import replace_backbone_calls
 from tasks.comparison.plan import parse_checkpoints
-from tasks.test import restore_as_trained
+from tasks.runs.restore import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("checkpoints", nargs="+", metavar="NAME=PATH")

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from tasks.run import write_report
 from tasks.runs.checkpoints import load_checkpoint
-from tasks.test import checkpoint_config, restore
+from tasks.runs.restore import checkpoint_config, restore
 
 
 def lookup_draft(source: list[int], produced: list[int], draft_tokens: int, match: int) -> list[int]:

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import move_data_to_device
 
 from tasks.comparison.timing import time_decoders
 from tasks.comparison.plan import parse_checkpoints
-from tasks.test import restore_as_trained
+from tasks.runs.restore import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("rev")

@@ -13,7 +13,7 @@ from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
 from tasks.runs.checkpoints import config_differences, is_model_key
 from tasks.runs.trainer import decoder_options, needs_trained_backbone
-from tasks.test import check_decoder
+from tasks.runs.restore import check_decoder
 
 
 @dataclass

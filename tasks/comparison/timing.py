@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoders.base import DecodeOutput, SpecialTokens
-from decoders.loop import split_flat_output
+from decoders.loop import flat_decode_output
 from tasks.comparison.measure import PeakMemory
 
 PRECISIONS = ("fp32", "bf16")
@@ -75,11 +75,7 @@ class TransformersGenerate:
             counting.remove()
         rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
                 for row in out[:, 1:].tolist()]   # what follows an end token is padding
-        split = [split_flat_output(row, self.special) for row in rows]
-        return DecodeOutput(subsequences=[subs for subs, _ in split],
-                            decoder_calls=[len(calls)] * len(rows), tokens=[len(r) for r in rows],
-                            hit_max_steps=[not ended for _, ended in split],
-                            batch_decoder_calls=len(calls))
+        return flat_decode_output(rows, self.special, [len(calls)] * len(rows), len(calls))
 
 
 @dataclass

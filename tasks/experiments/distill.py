@@ -19,11 +19,11 @@ from pathlib import Path
 
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
-from tasks.module import write_jsonl
+from datamodules.sources import write_jsonl
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.trainer import DecodeTarget, decode_target
-from tasks.test import checkpoint_config, restore
+from tasks.runs.restore import checkpoint_config, restore
 
 
 def distilled_records(built, target: DecodeTarget) -> list[dict]:

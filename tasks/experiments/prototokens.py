@@ -53,14 +53,15 @@ from datamodules.tokenizer import special_tokens
 from decoders import decoder_class
 from datamodules.vocabulary import pad_batch
 from decoders.backbone import at_least_float32, encode
-from decoders.onestep import one_pass_logits, with_frozen_weights
+from decoders.backbone import with_frozen_weights
+from decoders.onestep import one_pass_logits
 from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
 from tasks.run import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_link, run_status
 from tasks.runs.trainer import decode_target
-from tasks.test import checkpoint_config, restore
+from tasks.runs.restore import checkpoint_config, restore
 
 # position (W,) -> (W,) True where the input is e, False where it is m
 ARRANGEMENTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.sources import usable_folder
 from tasks.config import ConfigError, flatten, to_yaml
-from tasks.module import write_jsonl
+from datamodules.sources import write_jsonl
 
 
 def open_tracking(cfg: DictConfig, run_name: str, tags: dict | None = None,

@@ -1,0 +1,127 @@
+"""Restoring what `tasks.fit` saved: a checkpoint's configuration with overrides, checked against
+the decoder asked for (`checkpoint_config`), then its data, model and decoder with its weights
+(`restore`), or the model and decoder alone from the checkpoint's stored tokenizer
+(`restore_module`), and the nar drafter of a decoder that drafts with one (`attach_drafter`).
+Every command that decodes a checkpoint restores it through here."""
+from __future__ import annotations
+
+from decoders import available, decoder_class
+from tasks.config import ConfigError, compose
+from tasks.module import GenerationTask
+from tasks.runs.checkpoints import load_checkpoint, stored_model
+from tasks.runs.trainer import build, build_module
+
+
+def checkpoint_config(checkpoint: dict, path: str, overrides: list[str], config_file: str | None = None):
+    if "pretraining" in checkpoint:   # written by tasks.experiments.pretrain: a backbone, trained for no task
+        raise ConfigError(f"checkpoint {path} is a tasks.experiments.pretrain backbone "
+                          f"({checkpoint['pretraining'].get('objective', 'denoising')}), trained for "
+                          f"no task: fit a decoder from it with `python -m tasks.fit --task TASK "
+                          f"--decoder DECODER train.init_from={path}`, then test that fit's checkpoint")
+    stored = checkpoint["hyper_parameters"]["cfg"]
+    cfg = compose(None, None, config_file, overrides, base=stored)
+    for group, key in (("task", "name"), ("model", "name")):
+        if cfg[group][key] != stored[group][key]:
+            raise ConfigError(f"checkpoint {path} was trained for {group} {stored[group][key]!r}; "
+                              f"it cannot be used as {group} {cfg[group][key]!r}")
+    check_decoder(checkpoint, path, cfg.decoder.name)
+    if decoder_class(cfg.decoder.name).drafts_with:
+        drafter_checkpoint(cfg, checkpoint)  # refused here, before any work, if it cannot draft
+    return cfg
+
+
+def drafter_checkpoint(cfg, verifier: dict) -> dict:
+    """The checkpoint `decoder.drafter` names for a decoder that drafts with another decoder's model
+    (`Decoder.drafts_with`: aggressive drafts with nar's), verifying with the checkpoint `verifier`:
+    one trained with that decoder, with the verifier's tokenizer, else ConfigError."""
+    path, name = cfg.decoder.drafter, cfg.decoder.name
+    drafts_with = decoder_class(name).drafts_with
+    if path is None:
+        raise ConfigError(f"decoder={name} needs a drafter: set decoder.drafter="
+                          f"{drafts_with.upper()}_CKPT, a checkpoint written by tasks.fit --decoder "
+                          f"{drafts_with}")
+    drafter = load_checkpoint(path)
+    stored = drafter["hyper_parameters"]["cfg"]
+    trained_with = drafter.get("decoder_name", stored["decoder"]["name"])
+    if trained_with != drafts_with:
+        raise ConfigError(f"decoder.drafter={path} was trained with decoder {trained_with!r}; the "
+                          f"{name} decoder drafts with a {drafts_with} checkpoint")
+    if tokenizer_identity(drafter) != tokenizer_identity(verifier):
+        raise ConfigError(f"decoder.drafter={path} has another tokenizer than the checkpoint it "
+                          f"drafts for; a drafter and its verifier must share one")
+    return drafter
+
+
+def tokenizer_identity(checkpoint: dict):
+    """What identifies a checkpoint's tokenizer: the tokenizer it stores, or else (a pretrained
+    model's, loaded again by name) the model's name."""
+    if checkpoint.get("tokenizer_json") is not None:
+        return checkpoint["tokenizer_json"], checkpoint.get("tokenizer_settings")
+    return checkpoint["hyper_parameters"]["cfg"]["model"]["name"]
+
+
+def attach_drafter(module: GenerationTask, cfg, verifier: dict) -> None:
+    """The drafter of a decoder that drafts with another decoder's model (`Decoder.drafts_with`),
+    restored from `decoder.drafter` and attached to it; nothing for the other decoders."""
+    if not decoder_class(cfg.decoder.name).drafts_with:
+        return
+    path = cfg.decoder.drafter
+    drafter = drafter_checkpoint(cfg, verifier)
+    nar = restore_module(drafter, path, checkpoint_config(drafter, path, []))
+    module.decoder.attach_drafter(nar.decoder, nar.backbone)
+
+
+def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
+    """Refuse to decode `checkpoint` with `decoder` where that decoder's layout is not the one the
+    checkpoint's decoder trained the backbone on."""
+    stored = checkpoint["hyper_parameters"]["cfg"]
+    trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
+    trained = decoder_class(trained_decoder)
+    if not decoder_class(decoder).can_decode_checkpoint_of(trained):
+        others = [name for name in available()
+                  if name != trained_decoder and decoder_class(name).can_decode_checkpoint_of(trained)]
+        also = f", or another decoder of its layout: {', '.join(others)}" if others else ""
+        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
+                          f"{decoder!r} cannot decode it (use decoder={trained_decoder}{also})")
+
+
+def restore_as_trained(path: str):
+    """`restore` of the checkpoint at `path` (loaded as data) with the configuration it was
+    trained with, overriding nothing: what decode-only benchmarks time."""
+    checkpoint = load_checkpoint(path)
+    return restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
+
+
+def restore(checkpoint: dict, path: str, cfg):
+    """Data, model and decoder for `cfg` (from `checkpoint_config`), with the checkpoint's weights
+    (`load_weights`)."""
+    built = build(cfg, stored_model(checkpoint))
+    load_weights(built.module, checkpoint, path)
+    attach_drafter(built.module, cfg, checkpoint)
+    return built
+
+
+def restore_module(checkpoint: dict, path: str, cfg) -> GenerationTask:
+    """`restore`'s model and decoder, from the checkpoint alone: its stored tokenizer, no data read
+    (what decodes new inputs, tasks.predict)."""
+    stored = stored_model(checkpoint)
+    if stored.tokenizer is None:
+        raise ConfigError(f"checkpoint {path} carries no tokenizer; decode it with tasks.test, "
+                          f"which loads one as its data is read")
+    module = build_module(cfg, stored.tokenizer, stored.backbone_config)
+    load_weights(module, checkpoint, path)
+    attach_drafter(module, cfg, checkpoint)
+    return module
+
+
+def load_weights(module: GenerationTask, checkpoint: dict, path: str) -> None:
+    """The checkpoint's weights into `module`. Weights of modules the chosen decoder lacks (e.g.
+    blockwise heads when decoding sequentially) are ignored; every weight the model needs must be
+    there."""
+    try:
+        missing, _ = module.load_state_dict(checkpoint["state_dict"], strict=False)
+    except RuntimeError as err:  # shapes differ: an option that sizes a module was changed
+        raise ConfigError(f"checkpoint {path} does not fit the configured model (was an option "
+                          f"that sizes a module changed?): {str(err).splitlines()[-1].strip()}") from err
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks weights the model needs: {missing[:5]}")
