@@ -13,6 +13,9 @@ from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.models.t5.modeling_t5 import T5Block
 
+from decoders.transformers_internals import (attention_implementation, relative_position_buckets,
+                                             self_attention_layers)
+
 
 def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
            attention_mask: torch.Tensor) -> torch.Tensor:
@@ -53,7 +56,7 @@ def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor)
     """Keep, for each row b, the self-attention cache slots `order[b]` ((live, K') long), in that
     order, in every layer: drops slots a row does not need (padding, rejected proposals) and packs
     the rest to the front. The cross-attention part (the encoder's keys/values) is untouched."""
-    layers = cache.self_attention_cache.layers
+    layers = self_attention_layers(cache)
     # every layer's keys and values have one shape (B, heads, K, head_dim): one index serves all
     index = order[:, None, :, None].expand(-1, layers[0].keys.size(1), -1, layers[0].keys.size(-1))
     for layer in layers:
@@ -82,9 +85,7 @@ def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Te
     first decoder layer's bias table (only layer 0 owns one).
     """
     attention = model.decoder.block[0].layer[0].SelfAttention
-    buckets = attention._relative_position_bucket(
-        -distance, bidirectional=bidirectional, num_buckets=attention.relative_attention_num_buckets,
-        max_distance=attention.relative_attention_max_distance)
+    buckets = relative_position_buckets(attention, -distance, bidirectional)
     return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
 
 
@@ -142,7 +143,7 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
     ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
     """
-    implementation = model.config._attn_implementation
+    implementation = attention_implementation(model.config)
     if implementation not in STRUCTURED_ATTENTION:
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")

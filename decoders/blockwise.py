@@ -34,6 +34,7 @@ from datamodules.vocabulary import Range, SpecialTokens
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
 from decoders.drafts import DraftAndVerifyDecoder
 from decoders.sequential import SequentialDecoder
+from decoders.transformers_internals import shift_right
 
 
 class ProposalHead(nn.Module):
@@ -105,7 +106,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder):
         train_backbone = torch.is_grad_enabled() and not self.freeze_backbone
         with torch.set_grad_enabled(train_backbone):
             encoder_states = encode(model, input_ids, attention_mask)  # (B, S, d_model)
-            hidden = model.decoder(input_ids=model._shift_right(labels),
+            hidden = model.decoder(input_ids=shift_right(model, labels),
                                    encoder_hidden_states=encoder_states,
                                    encoder_attention_mask=attention_mask).last_hidden_state  # (B, T, d)
             total = _cross_entropy(output_logits(model, hidden), labels)

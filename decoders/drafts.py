@@ -38,12 +38,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import EncoderDecoderCache
 
 from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
                                past_distance_bias_table)
 from decoders.base import Decoder
-from decoders.loop import NOT_PRODUCED, LiveRows, read_back, flat_decode_output
+from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back
+from decoders.transformers_internals import CacheLayer, cache_with_self_attention_layers
 
 
 def accepted_length(drafts: torch.Tensor, candidates: torch.Tensor,
@@ -86,9 +87,9 @@ class SlotWrites:
     capacity: int
 
 
-class RowSlotLayer(DynamicLayer):
+class RowSlotLayer(CacheLayer):
     """One decoder layer's self-attention keys and values, (B, heads, capacity, head_dim): row r's
-    token at position p sits in slot p. Replaces the appending `DynamicLayer` of transformers' cache,
+    token at position p sits in slot p. Replaces the appending layer of transformers' own cache,
     through the same `update` the attention calls."""
 
     def __init__(self, writes: SlotWrites):
@@ -123,11 +124,8 @@ def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
-    """A decoder cache whose self-attention part is `RowSlotLayer`s sharing `writes`; the
-    cross-attention part (the encoder's keys and values, computed at the first call) is transformers'."""
-    self_attention = DynamicCache()  # transformers drops batch rows only from a DynamicCache
-    self_attention.layers = [RowSlotLayer(writes) for _ in range(num_layers)]
-    return EncoderDecoderCache(self_attention, DynamicCache())
+    """A decoder cache whose self-attention part is `RowSlotLayer`s sharing `writes`."""
+    return cache_with_self_attention_layers([RowSlotLayer(writes) for _ in range(num_layers)])
 
 
 @functools.lru_cache(maxsize=16)

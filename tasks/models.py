@@ -6,6 +6,7 @@ from omegaconf import DictConfig
 from transformers import T5Config, T5ForConditionalGeneration
 
 from datamodules.tokenizer import pretrained_files
+from decoders.transformers_internals import set_attention_implementation
 
 
 class ModelError(RuntimeError):
@@ -26,11 +27,11 @@ def build_backbone(model: DictConfig, tokenizer,
                           initializer_factor=float(model.initializer_factor),
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           decoder_start_token_id=tokenizer.pad_token_id)
-        config._attn_implementation = model.attn_implementation
+        set_attention_implementation(config, model.attn_implementation)
         return T5ForConditionalGeneration(config)
     if stored_config is not None:  # random weights, replaced by the checkpoint's
         config = T5Config.from_dict(stored_config, dropout_rate=model.dropout)
-        config._attn_implementation = model.attn_implementation
+        set_attention_implementation(config, model.attn_implementation)
         backbone = T5ForConditionalGeneration(config)
     else:
         with pretrained_files(model.hub_id, "pretrained weights", ModelError) as name:

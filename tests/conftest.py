@@ -27,6 +27,7 @@ import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, build_decoder
+from decoders.transformers_internals import set_attention_implementation
 
 VOCAB = 64
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
@@ -66,7 +67,7 @@ def tiny_t5(seed: int = 0, initializer_factor: float = 6.0, **overrides) -> T5Fo
     config = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
                       num_decoder_layers=2, dropout_rate=0.0, decoder_start_token_id=0,
                       pad_token_id=0, eos_token_id=1, initializer_factor=initializer_factor, **overrides)
-    config._attn_implementation = "eager"
+    set_attention_implementation(config, "eager")
     model = T5ForConditionalGeneration(config).eval()
     input_ids, attention_mask = random_batch(6, seed=seed)
     with torch.no_grad():

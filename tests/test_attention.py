@@ -8,6 +8,7 @@ import torch
 
 from decoders import available, build_decoder
 from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
+from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
@@ -59,7 +60,7 @@ def test_every_decoder_decodes_the_same_under_eager_and_sdpa(name):
 
 def test_other_implementations_fail_clearly():
     model = tiny_t5(0)
-    model.config._attn_implementation = "flash_attention_2"
+    set_attention_implementation(model.config, "flash_attention_2")
     input_ids, attention_mask = random_batch(1, seed=3)
     with pytest.raises(ValueError, match="attn_implementation in \\('eager', 'sdpa'\\).*'flash_attention_2'"):
         run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3])

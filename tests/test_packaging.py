@@ -49,3 +49,20 @@ def test_a_wheel_installs_and_fits_from_another_directory(tmp_path):
     assert "checkpoint: " in fitted.stderr
     listed = run("-m", "tasks")
     assert listed.returncode == 0 and "python -m tasks.experiments.pretrain" in listed.stdout
+
+
+PRIVATE_TRANSFORMERS_NAMES = ("._attn_implementation", "._shift_right", "._relative_position_bucket",
+                              "DynamicLayer", ".self_attention_cache.layers")
+
+
+def test_transformers_internals_are_used_behind_one_door():
+    """Only decoders/transformers_internals.py touches transformers' private names; the test
+    fails if any other library module (or test) reaches past it."""
+    door = REPO / "decoders" / "transformers_internals.py"
+    sources = [p for folder in ("decoders", "datamodules", "tasks", "tests")
+               for p in (REPO / folder).rglob("*.py") if p not in (door, Path(__file__).resolve())]
+    used = {str(p.relative_to(REPO)): name for p in sources for name in PRIVATE_TRANSFORMERS_NAMES
+            if name in p.read_text()}
+    assert used == {}
+    assert all(name.split(".")[-1] in door.read_text() for name in PRIVATE_TRANSFORMERS_NAMES)
+

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
 import datamodules.hub
 from datamodules import tokenizer as tok
+from decoders.transformers_internals import attention_implementation
 from tasks import compare, fit, test as test_entry
 from tasks.config import compose
 from tasks.models import ModelError, build_backbone
@@ -99,7 +100,7 @@ def test_pretrained_backbone_loads_from_a_local_folder_and_from_a_stored_config(
     tokenizer = tok.load_pretrained(model.hub_id)
     backbone = build_backbone(model, tokenizer)
     assert backbone.get_input_embeddings().num_embeddings == len(tokenizer) == 32102
-    assert backbone.config._attn_implementation == "sdpa" and backbone.config.dropout_rate == 0.2
+    assert attention_implementation(backbone.config) == "sdpa" and backbone.config.dropout_rate == 0.2
     saved = T5ForConditionalGeneration.from_pretrained(folder).state_dict()
     loaded = backbone.state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in saved.items() if "shared" not in key
@@ -111,7 +112,7 @@ def test_pretrained_backbone_loads_from_a_local_folder_and_from_a_stored_config(
     shutil.rmtree(folder)
     again = build_backbone(model, tokenizer, stored)
     again.load_state_dict(loaded)  # same shapes, strictly
-    assert again.config._attn_implementation == "sdpa" and again.config.dropout_rate == 0.2
+    assert attention_implementation(again.config) == "sdpa" and again.config.dropout_rate == 0.2
 
 
 @needs_t5_files

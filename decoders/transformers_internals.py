@@ -1,0 +1,62 @@
+"""transformers' internals the decoders rely on, behind one door: what a transformers release
+renames or reshapes breaks here first, and only here.
+
+They hold for the transformers versions `pyproject.toml` allows (the suite runs on the installed
+one, and the GPU tests ran on 5.17):
+- T5's relative position bucketing (`T5Attention._relative_position_bucket`), which the decoders'
+  own attention structures reuse so that their biases are T5's;
+- the configuration's attention implementation (`PretrainedConfig._attn_implementation`), read to
+  refuse one the decoders' structured attention cannot pass its mask to, and set when a backbone
+  is built from a configuration;
+- T5's shift of labels into decoder inputs (`T5PreTrainedModel._shift_right`);
+- the cache's layer objects (`DynamicLayer`: `update`, `lazy_initialization`, `keys`, `values`,
+  `is_initialized`; `DynamicCache.layers`), which the draft-and-verify loop replaces by layers
+  that write each row's tokens at its own slots.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+
+# the base class of a decoder cache layer: keys and values (B, heads, K, head_dim) and the `update`
+# every attention layer calls with its new keys and values
+CacheLayer = DynamicLayer
+
+
+def relative_position_buckets(attention, relative_position: torch.Tensor,
+                              bidirectional: bool) -> torch.Tensor:
+    """T5's bucket of each relative position (key - query), as `attention` (a T5Attention that
+    owns a bias table) buckets them."""
+    return attention._relative_position_bucket(
+        relative_position, bidirectional=bidirectional,
+        num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance)
+
+
+def attention_implementation(config) -> str:
+    """The attention implementation a model was built with ("eager", "sdpa", ...)."""
+    return config._attn_implementation
+
+
+def set_attention_implementation(config, implementation: str) -> None:
+    """Build models from `config` with `implementation`."""
+    config._attn_implementation = implementation
+
+
+def shift_right(model, labels: torch.Tensor) -> torch.Tensor:
+    """Decoder inputs of `labels`: the start token, then the labels but the last (-100 as pad)."""
+    return model._shift_right(labels)
+
+
+def self_attention_layers(cache: EncoderDecoderCache) -> list:
+    """The decoder self-attention cache's layers, one per decoder layer."""
+    return cache.self_attention_cache.layers
+
+
+def cache_with_self_attention_layers(layers: list) -> EncoderDecoderCache:
+    """A decoder cache whose self-attention part is `layers` (one `CacheLayer` per decoder layer);
+    the cross-attention part (the encoder's keys and values, computed at the first call) is
+    transformers' own."""
+    self_attention = DynamicCache()  # transformers drops batch rows only from a DynamicCache
+    self_attention.layers = layers
+    return EncoderDecoderCache(self_attention, DynamicCache())
