@@ -20,7 +20,7 @@ from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, first_batch_where, tiny_t5
 from tests.test_end_to_end import TINY, tracking
 from tests.test_faults import REPO
-from tests.reference_decoding import reference_decode
+from tests.plain_pipelined import reference_decode
 
 pytestmark = [pytest.mark.cuda, pytest.mark.float64, pytest.mark.numerics,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -80,7 +80,7 @@ def test_exact_decoders_give_the_argmax_of_the_teacher_forced_forward(name):
 
 def test_pipelined_decoding_equals_its_teacher_forced_forward():
     """The cached, batched pipelined decode on the GPU gives the plain decoder's output
-    (`tests.reference_decoding`: each next token the argmax of an uncached teacher-forced forward
+    (`tests.plain_pipelined`: each next token the argmax of an uncached teacher-forced forward
     over everything fed so far), also run on the GPU."""
     model = tiny_t5(0).to(CUDA)
     decoder = build_decoder("pipelined", model.config, SPECIAL, delay=2, max_subsequences=4,

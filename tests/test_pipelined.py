@@ -1,5 +1,5 @@
 """Pipelined decoder: hand-checked layout, training/decoding agreement, the cached, batched decoding
-against the plain one (`tests.reference_decoding`), cache, batching, bounds."""
+against the plain one (`tests.plain_pipelined`), cache, batching, bounds."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from decoders.pipelined import ALL_END, FIRST_EMPTY, Grid, attention_bias, struc
 from tasks.config import ConfigError, compose
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
-from tests.reference_decoding import reference_decode
+from tests.plain_pipelined import reference_decode
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -199,7 +199,7 @@ def test_decoding_equals_teacher_forced_forward_trained_model(delay, monkeypatch
 
 
 def assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask):
-    """The cached, batched decoding and the plain one (`tests.reference_decoding`) give the same
+    """The cached, batched decoding and the plain one (`tests.plain_pipelined`) give the same
     output, every field of it, and the same logits at every position, to float64 rounding."""
     out, logits, _ = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)
     plain, plain_logits = reference_decode(decoder, model, input_ids, attention_mask)

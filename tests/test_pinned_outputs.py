@@ -1,8 +1,8 @@
-"""Every decoder still outputs what the pinned reference holds (`tests/data/decode_reference.json`,
-made by `python -m tests.decode_reference`): each case is rebuilt and decoded as the file was
+"""Every decoder still outputs what the pinned reference holds (`tests/data/pinned_outputs.json`,
+made by `python -m tests.pinned_outputs`): each case is rebuilt and decoded as the file was
 made, and every field of its `DecodeOutput` must equal the recorded one, bit for bit.
 
-The reference keeps only cases whose every decision had a wide margin (`tests/decode_reference.py`),
+The reference keeps only cases whose every decision had a wide margin (`tests/pinned_outputs.py`),
 so they decode the same at every CPU kernel level: a difference is a change of the decoder's output.
 If that change is intended, regenerate the file and review its diff.
 """
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.decode_reference import PINNED_DECODERS, REFERENCE, case_id, decode_case
+from tests.pinned_outputs import PINNED_DECODERS, REFERENCE, case_id, decode_case
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]
 

@@ -1,12 +1,12 @@
-"""The decoders' outputs pinned: `tests/data/decode_reference.json` holds what every decoder
-outputs on a set of fixed cases, and `tests/test_decode_reference.py` decodes the same cases and
+"""The decoders' outputs pinned: `tests/data/pinned_outputs.json` holds what every decoder
+outputs on a set of fixed cases, and `tests/test_pinned_outputs.py` decodes the same cases and
 requires the same `DecodeOutput`, field for field and bit for bit.
 
 A rewrite of a decoding loop that must not change what it outputs (fewer tensor ops per call, other
 bookkeeping) is checked against this file. Regenerating it is a deliberate act, for a change that
 is meant to change outputs; the file was made by
 
-    python -m tests.decode_reference
+    python -m tests.pinned_outputs
 
 A case is a decoder with its options, a tiny random T5 (`tests.conftest.tiny_t5`), the decoder's own
 modules drawn from a seed, and a batch of `tests.conftest.random_batch`. Everything is drawn from
@@ -32,7 +32,7 @@ import decoders.nar
 from decoders import DecodeOutput, build_decoder
 from tests.conftest import SEED_SHIFT, SPECIAL, default_dtype, random_batch, tiny_t5
 
-REFERENCE = Path(__file__).parent / "data" / "decode_reference.json"
+REFERENCE = Path(__file__).parent / "data" / "pinned_outputs.json"
 # The smallest decision margin a kept case may have. The tiny T5's logits are of order 1 to 100,
 # and what the kernel levels compute of them in float64 differs by about 1e-13.
 MIN_MARGIN = 1e-6
