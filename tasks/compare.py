@@ -66,7 +66,7 @@ from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, check_draft
 from tasks.comparison.report import markdown, plots, report, summary_metrics
 from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
-from tasks.run import base_parser, log, main_guard, write_report
+from tasks.cli import base_parser, log, main_guard, write_report
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
                                  open_tracking, run_link, run_status)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from tasks.config import compose, to_yaml
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.checkpoints import find_resumable
 from tasks.runs.tracking import experiment_name, run_link
 from tasks.runs.trainer import check_something_to_train, train_and_test

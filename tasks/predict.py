@@ -27,7 +27,7 @@ from datamodules.schema import DataError, schema_for, validate_record
 from datamodules.sources import jsonl_values, usable_folder
 from tasks.config import ConfigError, to_yaml
 from datamodules.sources import dump_jsonl, write_jsonl
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.trainer import decode_target
 from tasks.runs.restore import checkpoint_config, restore_module

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from tasks.config import to_yaml
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.restore import checkpoint_config, restore
 from tasks.runs.tracking import default_run_name, open_tracking, run_link

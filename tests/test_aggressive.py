@@ -263,13 +263,13 @@ def saved_checkpoints(tmp_path_factory):
 
 def refused_by_test(argv, monkeypatch, capsys) -> str:
     """stderr of tasks.test run as its command line: exit code 2, one message, nothing built."""
-    from tasks import run, test as test_entry
+    from tasks import cli, test as test_entry
     from tasks.runs import restore, trainer
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before refusing"))
     monkeypatch.setattr(restore, "build", lambda *a, **k: pytest.fail("built before refusing"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        run.main_guard(lambda: test_entry.main(argv))
+        cli.main_guard(lambda: test_entry.main(argv))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err, err
     return err

@@ -15,7 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from transformers import T5Config
 
-import tasks.run
+import tasks.cli
 import tasks.runs.trainer
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import DataError
@@ -379,7 +379,7 @@ def fails_before_any_work(entry, argv: list[str], tmp_path: Path, monkeypatch, c
 
     monkeypatch.setattr(SubsequenceDataModule, "load_records", no_data)
     with pytest.raises(SystemExit) as exit_:
-        tasks.run.main_guard(lambda: entry.main(argv))
+        tasks.cli.main_guard(lambda: entry.main(argv))
     stderr = capsys.readouterr().err
     assert exit_.value.code == 2, stderr
     assert "Traceback" not in stderr

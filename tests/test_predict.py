@@ -21,7 +21,7 @@ from datamodules.sources import SPLITS, write_jsonl
 from tasks import predict, test as test_entry
 from tasks.config import compose
 from tasks.module import GenerationTask
-from tasks.run import main_guard
+from tasks.cli import main_guard
 from tasks.runs.checkpoints import load_checkpoint, stored_model
 from tasks.runs.trainer import build
 from tests.conftest import save_checkpoint

@@ -42,7 +42,7 @@ from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_deco
                                      timing_conditions)
 from tasks.config import ConfigError
 from tasks.module import subsequence_texts, task_scores
-from tasks.run import command_line, log, main_guard, show_report
+from tasks.cli import command_line, log, main_guard, show_report
 
 GENERATE = "transformers generate"
 

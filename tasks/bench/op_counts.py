@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tasks.bench import counted_decodes, random_inputs, tiny_random_t5
-from tasks.run import show_report
+from tasks.cli import show_report
 
 
 class OpCounter(TorchDispatchMode):

@@ -30,7 +30,7 @@ from tasks.comparison.measure import flushed_denormals
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
                                      timing_conditions)
 from tasks.config import ConfigError
-from tasks.run import command_line, log, main_guard, show_report
+from tasks.cli import command_line, log, main_guard, show_report
 
 GREEDY = "transformers greedy"
 

@@ -31,7 +31,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from tasks.run import write_report
+from tasks.cli import write_report
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.restore import checkpoint_config, restore
 

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tasks.bench import counted_decodes, random_inputs, tiny_random_t5
-from tasks.run import show_report
+from tasks.cli import show_report
 
 _SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
 _MASK_INDEXING_OPS = {"index", "index_put", "index_put_"}

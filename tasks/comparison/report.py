@@ -31,7 +31,7 @@ from tasks.comparison.measure import reference_calls_per_example, trained_parame
 from tasks.comparison.plan import Row, row_label
 from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
-from tasks.run import main_guard
+from tasks.cli import main_guard
 from tasks.runs.tracking import metric_key_part
 
 # a model whose outputs mostly run to the length bound never learned to end them

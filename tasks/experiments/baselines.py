@@ -32,7 +32,7 @@ from datamodules.schema import target_texts
 from tasks.baselines import described, scored_baselines
 from tasks.comparison.report import data_name, primary_metric, recorded_data, shown_quality
 from tasks.config import compose, to_yaml
-from tasks.run import base_parser, log, main_guard, show_report
+from tasks.cli import base_parser, log, main_guard, show_report
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,
                                  open_tracking, run_link, run_status)
 

@@ -26,7 +26,7 @@ from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import SCHEMAS
 from datamodules.sources import SPLITS
 from tasks.config import compose
-from tasks.run import show_report
+from tasks.cli import show_report
 
 UNLIMITED = 10 ** 9
 NO_CUT = [f"data.{key}={UNLIMITED}" for key in

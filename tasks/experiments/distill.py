@@ -20,7 +20,7 @@ from pathlib import Path
 from datamodules.schema import schema_for
 from tasks.config import ConfigError, to_yaml
 from datamodules.sources import write_jsonl
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.trainer import DecodeTarget, decode_target
 from tasks.runs.restore import checkpoint_config, restore

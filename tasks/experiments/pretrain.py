@@ -41,7 +41,7 @@ from datamodules.sources import usable_folder
 from datamodules.vocabulary import Range
 from tasks.config import ConfigError, compose, flatten, to_yaml
 from tasks.module import BackboneTraining
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.tracking import (ExceptionWatcher, experiment_name, log_artifacts,
                                  log_dataset_inputs, mlflow_dataset, open_tracking, run_folder,
                                  run_link, run_status)

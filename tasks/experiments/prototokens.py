@@ -57,7 +57,7 @@ from decoders.backbone import with_frozen_weights
 from decoders.onestep import one_pass_logits
 from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
-from tasks.run import base_parser, log, main_guard
+from tasks.cli import base_parser, log, main_guard
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_link, run_status
 from tasks.runs.trainer import decode_target

@@ -29,7 +29,7 @@ from tasks.comparison.measure import reference_calls
 from tasks.comparison.plan import parse_decoders, parse_sweeps, plan, row_label
 from tasks.config import to_yaml
 from tasks.models import build_backbone
-from tasks.run import base_parser, main_guard, show_report
+from tasks.cli import base_parser, main_guard, show_report
 from tasks.runs.trainer import decoder_options
 
 
