@@ -14,7 +14,7 @@ The model, its tokenizer and its decoder come from the checkpoint alone: no data
 model trained on `data=jsonl data.path=DIR` predicts after DIR is gone. Overrides change the
 decoding as in tasks.test (`decoder.stop_rule=all_end`, another decoder of the trained layout with
 `decoder=NAME`); sources longer than `data.max_source_length` are cut as in training;
-`--batch-size` sets `eval.batch_size`.
+`--batch-size` sets `eval.batch_size`. From Python: `tasks.predictor.Predictor`.
 """
 from __future__ import annotations
 
@@ -22,15 +22,11 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from datamodules.datamodule import Encoded, collate, encode_sources
 from datamodules.schema import DataError, schema_for, validate_record
-from datamodules.sources import jsonl_values, usable_folder
-from tasks.config import ConfigError, to_yaml
-from datamodules.sources import dump_jsonl, write_jsonl
+from datamodules.sources import dump_jsonl, jsonl_values, usable_folder, write_jsonl
 from tasks.cli import base_parser, log, main_guard
-from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.trainer import decode_target
-from tasks.runs.restore import checkpoint_config, restore_module
+from tasks.config import ConfigError, to_yaml
+from tasks.predictor import Predictor
 
 
 def read_inputs(path: str, task: str) -> list[dict]:
@@ -64,26 +60,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", help="decoding batch size (default: eval.batch_size)")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
     overrides = [*args.overrides, *batch_size_override(args.batch_size)]
-    checkpoint = load_checkpoint(args.ckpt)
-    cfg = checkpoint_config(checkpoint, args.ckpt, overrides, args.config)
+    predictor = Predictor(args.ckpt, overrides=overrides, config_file=args.config)
     if args.print_config:
-        print(to_yaml(cfg))
+        print(to_yaml(predictor.cfg))
         return {}
 
-    target = decode_target(cfg)
-    records = read_inputs(args.input, cfg.task.name)
+    records = read_inputs(args.input, predictor.task)   # before the model is restored
     if args.out:
         usable_folder(Path(args.out).parent, "--out's folder", ConfigError)
-    module = restore_module(checkpoint, args.ckpt, cfg)
-    sources, truncated = encode_sources(module.tokenizer, cfg.task.name, records,
-                                        cfg.data.max_source_length)
-    if truncated:
-        log.warning("%d of %d sources truncated to data.max_source_length=%d tokens", truncated,
-                    len(records), cfg.data.max_source_length)
-    examples = [Encoded(index, source, []) for index, source in enumerate(sources)]
-    size, pad = cfg.eval.batch_size, module.tokenizer.pad_token_id
-    batches = [collate(examples[start:start + size], pad) for start in range(0, len(examples), size)]
-    predicted = target.predict(module, records, batches, "predicting")
+    predicted = predictor.predict(records)
     if args.out:
         write_jsonl(predicted, args.out)
         log.info("wrote %d records to %s", len(predicted), args.out)

@@ -15,11 +15,13 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import datamodules.sources
+import tasks.predictor
 from datamodules.datamodule import SubsequenceDataModule
-from datamodules.schema import TASKS, schema_for
+from datamodules.schema import TASKS, DataError, schema_for
 from datamodules.sources import SPLITS, write_jsonl
 from tasks import predict, test as test_entry
-from tasks.config import compose
+from tasks.config import ConfigError, compose
+from tasks.predictor import Predictor
 from tasks.module import GenerationTask
 from tasks.cli import main_guard
 from tasks.runs.checkpoints import load_checkpoint, stored_model
@@ -211,13 +213,13 @@ def test_the_trained_decoder_by_default_another_of_its_layout_on_request(
     model = checkpoints("keyphrase", "blockwise")
     source = written(tmp_path / "in.jsonl", without_target(model.records, "keyphrase"))
     restored = []
-    restore_module = predict.restore_module
+    restore_module = tasks.predictor.restore_module
 
     def spy(*args):
         restored.append(restore_module(*args))
         return restored[-1]
 
-    monkeypatch.setattr(predict, "restore_module", spy)
+    monkeypatch.setattr(tasks.predictor, "restore_module", spy)
     for overrides, name in (([], "blockwise"), (["decoder=sequential", "decoder.max_new_tokens=5"],
                                                 "sequential")):
         result = predict.main(["--ckpt", model.path, "--input", source, *overrides])
@@ -293,3 +295,46 @@ def test_a_model_trained_on_a_jsonl_folder_predicts_after_the_folder_is_gone(tmp
     result = predict.main(["--ckpt", model.path, "--input",
                            written(tmp_path / "in.jsonl", without_target(model.records, "keyphrase"))])
     assert [record["id"] for record in result["predictions"]] == [r["id"] for r in model.records]
+
+
+# ---- from Python: tasks.predictor.Predictor ---------------------------------------------------
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_python_api_predicts_what_the_command_writes(task, checkpoints, tmp_path, capsys):
+    model = checkpoints(task)
+    records = without_target(model.records, task)
+    source = written(tmp_path / "in.jsonl", records)
+    from_command = predict.main(["--ckpt", model.path, "--input", source])["predictions"]
+    predictor = Predictor(model.path)
+    assert predictor.task == task
+    assert predictor.predict(records) == from_command
+    assert predictor.predict([]) == []
+
+
+def test_the_python_api_takes_decoding_overrides(checkpoints):
+    model = checkpoints("keyphrase", "pipelined")
+    records = without_target(model.records, "keyphrase")
+    plain = Predictor(model.path, device="cpu")
+    assert plain.module.decoder.name == "pipelined" and plain.module.decoder.stop_rule == "first_empty"
+    expected = plain.predict(records)
+    # the batch size changes how, not what, is decoded
+    assert Predictor(model.path, batch_size=1).predict(records) == expected
+    paper = Predictor(model.path, stop_rule="all_end", precision="64-true")
+    paper.predict(records[:1])
+    assert paper.module.decoder.stop_rule == "all_end"
+    assert next(paper.module.backbone.parameters()).dtype == torch.float64
+    sequential = checkpoints("keyphrase", "sequential")
+    assert Predictor(sequential.path, decoder="lookup").module.decoder.name == "lookup"
+
+
+def test_the_python_api_refuses_bad_settings_and_records(checkpoints, tmp_path):
+    model = checkpoints("keyphrase")
+    with pytest.raises(ConfigError, match="no such checkpoint file"):
+        Predictor(str(tmp_path / "missing.ckpt"))
+    with pytest.raises(ConfigError, match="unknown decoder 'nope'; allowed: aggressive, blockwise"):
+        Predictor(model.path, decoder="nope")
+    with pytest.raises(ConfigError, match="device 'tpu' is not one of cpu, cuda, gpu, mps, auto"):
+        Predictor(model.path, device="tpu")
+    predictor = Predictor(model.path)
+    with pytest.raises(DataError, match="record 2: .*abstract"):
+        predictor.predict([{"title": "a", "abstract": "b"}, {"title": "no abstract"}])
