@@ -2,6 +2,8 @@
 
     python -m tasks.predict --ckpt PATH --input FILE.jsonl [--out FILE.jsonl] [--batch-size N]
                             [key=value ...]
+    python -m tasks.predict --pretrained T5_FOLDER_OR_HUB_ID --task TASK --input FILE.jsonl
+                            [decoder=lookup] [key=value ...]
 
 Each input line is a record of the task's schema without its target: keyphrase `title` and
 `abstract`, qa `question` and `context`, summarization `document`; `id` and any other field are
@@ -14,7 +16,10 @@ The model, its tokenizer and its decoder come from the checkpoint alone: no data
 model trained on `data=jsonl data.path=DIR` predicts after DIR is gone. Overrides change the
 decoding as in tasks.test (`decoder.stop_rule=all_end`, another decoder of the trained layout with
 `decoder=NAME`); sources longer than `data.max_source_length` are cut as in training;
-`--batch-size` sets `eval.batch_size`. From Python: `tasks.predictor.Predictor`.
+`--batch-size` sets `eval.batch_size`. `--pretrained` decodes a T5 trained elsewhere (what
+transformers' `save_pretrained` wrote, or a hub id) exactly as its greedy `generate` does, with
+sequential or lookup (`decoder=lookup`), its records those of `--task`. From Python:
+`tasks.predictor.Predictor`.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from datamodules.schema import DataError, schema_for, validate_record
+from datamodules.schema import TASKS, DataError, schema_for, validate_record
 from datamodules.sources import dump_jsonl, jsonl_values, usable_folder, write_jsonl
 from tasks.cli import base_parser, log, main_guard
 from tasks.config import ConfigError, to_yaml
@@ -54,13 +59,33 @@ def batch_size_override(text: str | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="a checkpoint written by tasks.fit")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--ckpt", help="a checkpoint written by tasks.fit")
+    model.add_argument("--pretrained", metavar="MODEL",
+                       help="a T5 that save_pretrained wrote (a folder) or a hub id, decoded as "
+                            "it is (with --task)")
+    parser.add_argument("--task", choices=TASKS, help="the task of --pretrained's records")
     parser.add_argument("--input", required=True, help="a JSONL file of records, or - for stdin")
     parser.add_argument("--out", help="the JSONL file to write (default: standard output)")
     parser.add_argument("--batch-size", help="decoding batch size (default: eval.batch_size)")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
     overrides = [*args.overrides, *batch_size_override(args.batch_size)]
-    predictor = Predictor(args.ckpt, overrides=overrides, config_file=args.config)
+    if args.ckpt is not None:
+        if args.task is not None:
+            raise ConfigError(f"--task {args.task}: a checkpoint's task is the one it was trained "
+                              f"for; --task goes with --pretrained")
+        predictor = Predictor.from_checkpoint(args.ckpt, overrides=overrides,
+                                              config_file=args.config)
+    else:
+        if args.task is None:
+            raise ConfigError(f"--pretrained {args.pretrained}: say which task's records it "
+                              f"predicts with --task ({', '.join(TASKS)})")
+        decoder = next((o.split("=", 1)[1] for o in overrides if o.startswith("decoder=")),
+                       "sequential")
+        predictor = Predictor.from_pretrained(
+            args.pretrained, task=args.task, decoder=decoder,
+            overrides=[o for o in overrides if not o.startswith("decoder=")],
+            config_file=args.config)
     if args.print_config:
         print(to_yaml(predictor.cfg))
         return {}

@@ -1,30 +1,42 @@
-"""A trained checkpoint, from Python: load it once, predict the targets of new records.
+"""A trained model, from Python: load it once, predict the targets of new records.
 
     from tasks.predictor import Predictor
 
-    predictor = Predictor("mlruns/artifacts/RUN_ID/checkpoints/epoch9-step630.ckpt",
-                          decoder="pipelined", batch_size=16, device="cpu")
+    predictor = Predictor.from_checkpoint("mlruns/artifacts/RUN_ID/checkpoints/epoch9-step630.ckpt",
+                                          decoder="pipelined", batch_size=16, device="cpu")
     predictor.predict([{"title": "...", "abstract": "..."}])
     # -> [{"title": "...", "abstract": "...", "keyphrases": ["...", ...]}]
 
+    # any T5 that transformers' save_pretrained wrote (or a hub id), with a decoder that needs no
+    # training: exactly its greedy `generate` output, as text
+    t5 = Predictor.from_pretrained("google-t5/t5-small", task="summarization", decoder="lookup")
+
 What `python -m tasks.predict` does, which is a thin layer over this class: the model, its
-tokenizer and its decoder come from the checkpoint alone (no data set is read); each record is a
-record of the task's schema without its target, returned in order with its target field
-(`keyphrases`, `answers`, `summary`) set to the decoded subsequences, every other field kept.
+tokenizer and its decoder come from the checkpoint (or the T5 folder) alone, no data set is read;
+each record is a record of the task's schema without its target, returned in order with its
+target field (`keyphrases`, `answers`, `summary`) set to the decoded subsequences (a T5 trained
+elsewhere writes no separator: its whole output is one), every other field kept.
 """
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
+
+from omegaconf import DictConfig
+from transformers import T5Config
 
 from datamodules.datamodule import Encoded, collate, encode_sources
 from datamodules.schema import validate_record
+from datamodules.tokenizer import load_pretrained
+from datamodules.vocabulary import SpecialTokens
+from decoders import available, build_decoder, decoder_class
+from decoders.sequential import SequentialDecoder
 from tasks.cli import log
-from tasks.config import ConfigError
+from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.restore import checkpoint_config, restore_module
-from tasks.runs.trainer import decode_target
+from tasks.runs.trainer import build_module, decode_target
 
 # device name -> trainer.accelerator
 DEVICES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "mps": "mps", "auto": "auto"}
@@ -51,36 +63,82 @@ def predictor_overrides(decoder: str | None = None, stop_rule: str | None = None
     return overrides
 
 
+def decoders_without_training() -> list[str]:
+    """The decoders that decode a T5 trained by anyone, as it is: of the sequential layout, with no
+    weights of their own and no second model to draft with."""
+    def weightless(name: str) -> bool:
+        probe = build_decoder(name, T5Config(), SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4,
+                                                              start=0))
+        return not any(True for _ in probe.parameters())
+    return [name for name in available()
+            if decoder_class(name).can_decode_checkpoint_of(SequentialDecoder)
+            and not decoder_class(name).drafts_with and weightless(name)]
+
+
 class Predictor:
-    """A checkpoint written by `tasks.fit`, restored to predict.
+    """A trained model, restored to predict: `Predictor.from_checkpoint` (a `tasks.fit`
+    checkpoint) or `Predictor.from_pretrained` (a T5 trained elsewhere).
 
-    Args:
-        checkpoint: the checkpoint's path.
-        decoder: another decoder of the trained layout (e.g. "lookup" for a sequential checkpoint;
-            "aggressive" also needs `overrides=["decoder.drafter=NAR_CKPT"]`).
-        stop_rule: the pipelined decoder's stopping rule ("first_empty" or "all_end").
-        batch_size: decoding batch size (default: the checkpoint's `eval.batch_size`).
-        device: "cpu", "cuda" (or "gpu"), "mps" or "auto" (default: the checkpoint's trainer
-            setting).
-        precision: a Lightning precision ("32-true", "64-true", "bf16-mixed", "bf16-true").
-        overrides: further `key=value` configuration overrides, as on the command line.
-        config_file: a YAML file merged before the overrides, as `--config`.
-
-    Errors in the settings come at construction, before any model is built, as
+    Errors in the settings come when it is made, before any model is built, as
     `tasks.config.ConfigError` (a bad checkpoint, an unknown decoder, a bad value); the model is
     restored at the first `predict` (or `module`); a record without its source fields is refused
     by `predict` with `datamodules.schema.DataError`.
     """
 
-    def __init__(self, checkpoint: str, *, decoder: str | None = None,
-                 stop_rule: str | None = None, batch_size: int | None = None,
-                 device: str | None = None, precision: str | None = None,
-                 overrides: Sequence[str] = (), config_file: str | None = None):
-        self.checkpoint = checkpoint
-        self.stored = load_checkpoint(checkpoint)
+    def __init__(self, cfg: DictConfig, restore: Callable[[], GenerationTask]):
+        self.cfg = cfg
+        self.target = decode_target(cfg)   # the device and precision, checked
+        self._restore = restore
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str, *, decoder: str | None = None,
+                        stop_rule: str | None = None, batch_size: int | None = None,
+                        device: str | None = None, precision: str | None = None,
+                        overrides: Sequence[str] = (), config_file: str | None = None) -> "Predictor":
+        """A checkpoint written by `tasks.fit`.
+
+        Args:
+            checkpoint: the checkpoint's path.
+            decoder: another decoder of the trained layout (e.g. "lookup" for a sequential
+                checkpoint; "aggressive" also needs `overrides=["decoder.drafter=NAR_CKPT"]`).
+            stop_rule: the pipelined decoder's stopping rule ("first_empty" or "all_end").
+            batch_size: decoding batch size (default: the checkpoint's `eval.batch_size`).
+            device: "cpu", "cuda" (or "gpu"), "mps" or "auto" (default: the checkpoint's
+                trainer setting).
+            precision: a Lightning precision ("32-true", "64-true", "bf16-mixed", "bf16-true").
+            overrides: further `key=value` configuration overrides, as on the command line.
+            config_file: a YAML file merged before the overrides, as `--config`.
+        """
+        stored = load_checkpoint(checkpoint)
         options = predictor_overrides(decoder, stop_rule, batch_size, device, precision)
-        self.cfg = checkpoint_config(self.stored, checkpoint, [*overrides, *options], config_file)
-        self.target = decode_target(self.cfg)   # the device and precision, checked
+        cfg = checkpoint_config(stored, checkpoint, [*overrides, *options], config_file)
+        return cls(cfg, lambda: restore_module(stored, checkpoint, cfg))
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, task: str, decoder: str = "sequential",
+                        batch_size: int | None = None, device: str | None = None,
+                        precision: str | None = None, overrides: Sequence[str] = (),
+                        config_file: str | None = None) -> "Predictor":
+        """A T5 trained elsewhere: a folder that transformers' `save_pretrained` wrote (its
+        `config.json`, weights and tokenizer files), or a hub id (fetched, or read from the local
+        cache; offline, a hub id not in the cache fails with a message saying so). It decodes
+        with a decoder that needs no training (`decoders_without_training()`: sequential and
+        lookup), exactly as its greedy `generate` does; `task` says which record fields are its
+        source and which one receives its output.
+
+        The other arguments are `from_checkpoint`'s; `overrides` may set e.g. the output bound
+        (`decoder.max_new_tokens=128`) or `data.max_source_length`.
+        """
+        allowed = decoders_without_training()
+        if decoder not in allowed:
+            raise ConfigError(f"decoder {decoder!r} cannot decode a T5 trained elsewhere (it needs "
+                              f"weights or a drafter of its own); decoders that need no training: "
+                              f"{', '.join(allowed)}")
+        options = predictor_overrides(None, None, batch_size, device, precision)
+        cfg = compose(task, decoder, config_file, ["model=t5-small", f"model.hub_id={model}",
+                                                   *overrides, *options])
+        tokenizer = load_pretrained(model)   # here: a bad folder or an unreachable hub id fails now
+        return cls(cfg, lambda: build_module(cfg, tokenizer))
 
     @property
     def task(self) -> str:
@@ -89,8 +147,8 @@ class Predictor:
 
     @cached_property
     def module(self) -> GenerationTask:
-        """The task module (backbone, decoder, tokenizer) with the checkpoint's weights."""
-        return restore_module(self.stored, self.checkpoint, self.cfg)
+        """The task module: backbone with its weights, decoder, tokenizer."""
+        return self._restore()
 
     def predict(self, records: Iterable[dict], desc: str = "predicting") -> list[dict]:
         """Each record (the task's source fields; any other field is kept) with its predicted
