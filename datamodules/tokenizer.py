@@ -161,8 +161,8 @@ def pretrained_files(hub_id: str, what: str, error: type[Exception]) -> Iterator
             yield hub_id
         except OSError as err:
             raise error(f"cannot load {what} {hub_id!r}: {load_failure(err, unreachable)}. Use "
-                        f"model=t5-tiny, or model.hub_id=DIR with a local copy of the model, to "
-                        f"work offline.") from err
+                        f"model=t5-tiny, or a local copy of the model (model.hub_id=DIR, or "
+                        f"tasks.predict --pretrained DIR), to work offline.") from err
 
 
 def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:

@@ -147,8 +147,9 @@ def test_pretrained_tokenizer_and_weights_fail_fast_offline(monkeypatch):
     started = time.perf_counter()
     with pytest.raises(tok.TokenizerError, match=r"cannot load the tokenizer of 'google-t5/t5-small': "
                                                  r"the hub cannot be reached \(HF_HUB_OFFLINE is set\).*"
-                                                 r"Use model=t5-tiny, or model.hub_id=DIR with a local "
-                                                 r"copy of the model, to work offline"):
+                                                 r"Use model=t5-tiny, or a local copy of the model "
+                                                 r"\(model.hub_id=DIR, or tasks.predict --pretrained "
+                                                 r"DIR\), to work offline"):
         tok.load_pretrained("google-t5/t5-small")
     with pytest.raises(ModelError, match=r"cannot load pretrained weights 'google-t5/t5-small': the "
                                          r"hub cannot be reached .*Use model=t5-tiny"):
