@@ -80,12 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.task is None:
             raise ConfigError(f"--pretrained {args.pretrained}: say which task's records it "
                               f"predicts with --task ({', '.join(TASKS)})")
-        decoder = next((o.split("=", 1)[1] for o in overrides if o.startswith("decoder=")),
-                       "sequential")
-        predictor = Predictor.from_pretrained(
-            args.pretrained, task=args.task, decoder=decoder,
-            overrides=[o for o in overrides if not o.startswith("decoder=")],
-            config_file=args.config)
+        predictor = Predictor.from_pretrained(args.pretrained, task=args.task, overrides=overrides,
+                                              config_file=args.config)
     if args.print_config:
         print(to_yaml(predictor.cfg))
         return {}

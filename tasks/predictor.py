@@ -115,28 +115,28 @@ class Predictor:
         return cls(cfg, lambda: restore_module(stored, checkpoint, cfg))
 
     @classmethod
-    def from_pretrained(cls, model: str, *, task: str, decoder: str = "sequential",
+    def from_pretrained(cls, model: str, *, task: str, decoder: str | None = None,
                         batch_size: int | None = None, device: str | None = None,
                         precision: str | None = None, overrides: Sequence[str] = (),
                         config_file: str | None = None) -> "Predictor":
         """A T5 trained elsewhere: a folder that transformers' `save_pretrained` wrote (its
         `config.json`, weights and tokenizer files), or a hub id (fetched, or read from the local
         cache; offline, a hub id not in the cache fails with a message saying so). It decodes
-        with a decoder that needs no training (`decoders_without_training()`: sequential and
-        lookup), exactly as its greedy `generate` does; `task` says which record fields are its
+        with a decoder that needs no training (`decoders_without_training()`: sequential, the
+        default, and lookup), exactly as its greedy `generate` does; `task` says which record fields are its
         source and which one receives its output.
 
         The other arguments are `from_checkpoint`'s; `overrides` may set e.g. the output bound
         (`decoder.max_new_tokens=128`) or `data.max_source_length`.
         """
-        allowed = decoders_without_training()
-        if decoder not in allowed:
-            raise ConfigError(f"decoder {decoder!r} cannot decode a T5 trained elsewhere (it needs "
-                              f"weights or a drafter of its own); decoders that need no training: "
-                              f"{', '.join(allowed)}")
         options = predictor_overrides(None, None, batch_size, device, precision)
         cfg = compose(task, decoder, config_file, ["model=t5-small", f"model.hub_id={model}",
                                                    *overrides, *options])
+        allowed = decoders_without_training()
+        if cfg.decoder.name not in allowed:
+            raise ConfigError(f"decoder {cfg.decoder.name!r} cannot decode a T5 trained elsewhere "
+                              f"(it needs weights or a drafter of its own); decoders that need no "
+                              f"training: {', '.join(allowed)}")
         tokenizer = load_pretrained(model)   # here: a bad folder or an unreachable hub id fails now
         return cls(cfg, lambda: build_module(cfg, tokenizer))
 

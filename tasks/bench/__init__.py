@@ -16,8 +16,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
 from decoders.aggressive import AggressiveDecoder
-from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.restore import checkpoint_config, restore
+from tasks.runs.restore import restore_with_decoder
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"
@@ -101,9 +100,4 @@ def restored(name: str, path: str, drafter: str | None = None):
     """(configuration, `Built`) of the checkpoint at `path`, decoded by decoder `name` where `name`
     is a registered decoder (one of the trained layout; else by the decoder it was trained with),
     drafting with the checkpoint `drafter` where that decoder drafts with another model."""
-    checkpoint = load_checkpoint(path)
-    overrides = [f"decoder={name}"] if name in available() else []
-    if drafter is not None and name in available() and decoder_class(name).drafts_with:
-        overrides.append(f"decoder.drafter={drafter}")
-    cfg = checkpoint_config(checkpoint, path, overrides)
-    return cfg, restore(checkpoint, path, cfg)
+    return restore_with_decoder(path, name if name in available() else None, drafter)

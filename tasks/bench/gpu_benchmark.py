@@ -31,27 +31,19 @@ import argparse
 from types import SimpleNamespace
 
 import torch
-from lightning.pytorch.utilities import move_data_to_device
 
 from tasks.baselines import scored_baselines
 from tasks.bench import restored
-from tasks.comparison.measure import flushed_denormals
+from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.report import primary_metric, not_learned
-from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders, timed,
+from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
                                      timing_conditions)
 from tasks.config import ConfigError
 from tasks.module import subsequence_texts, task_scores
 from tasks.cli import command_line, log, main_guard, show_report
 
 GENERATE = "transformers generate"
-
-
-def same_outputs(first, second, batches, device, precision) -> bool:
-    """Whether two decoders give the same subsequences on every batch."""
-    return all(timed(first.decoder, first.backbone, b, device, precision)[0].subsequences
-               == timed(second.decoder, second.backbone, b, device, precision)[0].subsequences
-               for b in batches)
 
 
 def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
@@ -65,19 +57,22 @@ def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
 
 def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch_sizes: list[int],
               precision: str, repeats: int, examples: int | None,
-              single_examples: int | None) -> list[dict]:
+              single_examples: int | None) -> tuple[list[dict], bool | None]:
     """One row per (decoder, batch size): examples/s, speedup over the first decoder, peak MB and
     its ratio to the first decoder's, decoder calls per example, quality and bound hits (at batch
-    size 1 on the first `single_examples` examples only, where given)."""
+    size 1 on the first `single_examples` examples only, where given). Beside them, whether
+    transformers' generate, where it was timed, gave the first decoder's subsequences at every
+    batch size (None where it was not)."""
     first = next(iter(modules))
-    rows = []
+    rows, identical = [], (True if GENERATE in modules else None)
     for batch_size in batch_sizes:
         limit = single_examples if batch_size == 1 and single_examples else examples
         test = datamodule.dataset("test").examples[:examples][:limit]
         records = datamodule.records("test")[:examples][:limit]
-        batches = [move_data_to_device(datamodule.collate(test[i:i + batch_size]), device)
-                   for i in range(0, len(test), batch_size)]
+        batches = device_batches(datamodule, test, batch_size, device)
         timings = time_decoders(modules, batches, device, precision, repeats)
+        if identical is not None:
+            identical &= timings[GENERATE].subsequences() == timings[first].subsequences()
         for name, timing in timings.items():
             cfg = cfgs.get(name, cfgs[first])
             rows.append({"decoder": name, "batch_size": batch_size, "examples": len(test),
@@ -88,7 +83,7 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
                          if timings[first].peak_memory_mb > 0 else None,
                          "decoder_calls_per_example": timing.calls_per_example,
                          **scored(cfg, datamodule.tokenizer, timing, records)})
-    return rows
+    return rows, identical
 
 
 def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
@@ -175,16 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
         datamodule = datamodule or built.datamodule
     first = next(iter(modules.values()))
     test = datamodule.dataset("test").examples[:args.examples]
-    identical = None
     if first.decoder.name == "sequential":  # transformers' generate beside it, same backbone
         modules[GENERATE] = SimpleNamespace(
             decoder=TransformersGenerate(first.decoder.max_new_tokens, first.decoder.special),
             backbone=first.backbone)
-        batches = [move_data_to_device(datamodule.collate(test[i:i + 16]), device)
-                   for i in range(0, len(test), 16)]
-        identical = same_outputs(first, modules[GENERATE], batches, device, args.precision)
     with flushed_denormals(device):
-        rows = benchmark(modules, cfgs, datamodule, device, batch_sizes, args.precision,
+        rows, identical = benchmark(modules, cfgs, datamodule, device, batch_sizes, args.precision,
                          args.repeats, args.examples, args.single_examples)
     cfg = cfgs[next(iter(paths))]
     baselines = [entry for entry, _ in scored_baselines(cfg, datamodule, args.examples)]

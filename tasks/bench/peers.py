@@ -23,10 +23,9 @@ import argparse
 from types import SimpleNamespace
 
 import torch
-from lightning.pytorch.utilities import move_data_to_device
 
 from tasks.bench import restored
-from tasks.comparison.measure import flushed_denormals
+from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
                                      timing_conditions)
 from tasks.config import ConfigError
@@ -53,8 +52,7 @@ def rows_at(batch_size: int, modules: dict, datamodule, test, device, precision:
             repeats: int) -> list[dict]:
     """Every module timed at `batch_size` on the same batches; ratios and "identical" against
     greedy `generate`, the first module."""
-    batches = [move_data_to_device(datamodule.collate(test[i:i + batch_size]), device)
-               for i in range(0, len(test), batch_size)]
+    batches = device_batches(datamodule, test, batch_size, device)
     timings = time_decoders(modules, batches, device, precision, repeats)
     reference = timings[GREEDY]
     return [{"decoder": name, "batch_size": batch_size,

@@ -19,10 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from lightning.pytorch.utilities import move_data_to_device
 
-from tasks.comparison.timing import time_decoders
+from tasks.comparison.measure import device_batches
 from tasks.comparison.plan import parse_checkpoints
+from tasks.comparison.timing import time_decoders
 from tasks.runs.restore import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,8 +72,7 @@ def outputs(decoder) -> list:
 
 print(f"outputs identical: {outputs(old) == outputs(now)}")
 for batch_size in (1, 16):
-    batches = [move_data_to_device(data.collate(test[i:i + batch_size]), "cpu")
-               for i in range(0, len(test), batch_size)]
+    batches = device_batches(data, test, batch_size, torch.device("cpu"))
     timings = time_decoders(modules, batches, torch.device("cpu"), "fp32", repeats=3)
     reference = timings["sequential"]
     ratio = reference.calls_per_example / timings["pipelined now"].calls_per_example

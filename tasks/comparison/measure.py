@@ -99,6 +99,13 @@ def flushed_denormals(device: torch.device):
         torch.set_flush_denormal(before)
 
 
+def device_batches(datamodule, examples: list, batch_size: int, device) -> list[dict]:
+    """`examples` collated in batches of `batch_size`, moved to `device` beforehand (so that the
+    copies are not timed)."""
+    return [move_data_to_device(datamodule.collate(examples[i:i + batch_size]), device)
+            for i in range(0, len(examples), batch_size)]
+
+
 def time_row(row: Row, batch: dict) -> float:
     module = row.module
     return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
@@ -114,10 +121,8 @@ def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeat
     device = target.device
     datamodule = rows[0].datamodule
     examples = datamodule.dataset("test").examples[:limit]
-    # moved to the device beforehand, so that the copies are not timed
-    singles = [move_data_to_device(datamodule.collate([e]), device) for e in examples]
-    batches = [move_data_to_device(datamodule.collate(examples[i:i + batch_size]), device)
-               for i in range(0, len(examples), batch_size)]
+    singles = device_batches(datamodule, examples, 1, device)
+    batches = device_batches(datamodule, examples, batch_size, device)
     for row in rows:
         target.place(row.module)
     single_runs = {id(r): [] for r in rows}

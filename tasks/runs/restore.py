@@ -88,8 +88,19 @@ def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
 def restore_as_trained(path: str):
     """`restore` of the checkpoint at `path` (loaded as data) with the configuration it was
     trained with, overriding nothing: what decode-only benchmarks time."""
+    return restore_with_decoder(path)[1]
+
+
+def restore_with_decoder(path: str, decoder: str | None = None, drafter: str | None = None):
+    """(configuration, `restore`'s result) of the checkpoint at `path`, decoded by `decoder` (one
+    of the trained layout; None: the decoder it was trained with), drafting with the checkpoint
+    `drafter` where that decoder drafts with another model."""
     checkpoint = load_checkpoint(path)
-    return restore(checkpoint, path, checkpoint_config(checkpoint, path, []))
+    overrides = [] if decoder is None else [f"decoder={decoder}"]
+    if drafter is not None and decoder is not None and decoder_class(decoder).drafts_with:
+        overrides.append(f"decoder.drafter={drafter}")
+    cfg = checkpoint_config(checkpoint, path, overrides)
+    return cfg, restore(checkpoint, path, cfg)
 
 
 def restore(checkpoint: dict, path: str, cfg):
