@@ -161,6 +161,7 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     assert all(r["identical_to_greedy"] for r in compared["rows"])
     assert all(r["speed_vs_greedy"] > 0 and r["decoder_calls_per_example"] >= 1
                for r in compared["rows"])
+    assert all(len(r["speed_vs_greedy_passes"]) == 1 for r in compared["rows"])  # one per pass
     assert "batch size 1 only" in peer_out.with_suffix(".md").read_text()
 
 

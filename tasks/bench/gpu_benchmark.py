@@ -36,7 +36,7 @@ from tasks.baselines import scored_baselines
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
-from tasks.comparison.report import primary_metric, not_learned
+from tasks.comparison.report import not_learned, primary_metric, speedup_cell
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
                                      timing_conditions)
 from tasks.config import ConfigError
@@ -78,6 +78,7 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
             rows.append({"decoder": name, "batch_size": batch_size, "examples": len(test),
                          "examples_per_second": len(test) / timing.seconds,
                          "speedup": timings[first].seconds / timing.seconds,
+                         "speedup_passes": timing.speedups_over(timings[first]),
                          "peak_memory_mb": timing.peak_memory_mb,
                          "memory_vs_first": timing.peak_memory_mb / timings[first].peak_memory_mb
                          if timings[first].peak_memory_mb > 0 else None,
@@ -97,7 +98,7 @@ def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
         same = [row for row in rows if row["batch_size"] == batch_size]
         for row in same:
             if row["not_learned"] or same[0]["not_learned"]:
-                row["speedup"] = None
+                row["speedup"] = row["speedup_passes"] = None
     return rows
 
 
@@ -113,13 +114,14 @@ def markdown(result: dict) -> str:
     if result["sequential_equals_generate"] is not None:
         caption += (f"; sequential's tokens {'equal' if result['sequential_equals_generate'] else 'DIFFER FROM'}"
                     f" transformers generate's")
-    lines = [caption, "", f"| decoder | batch | ex/s | speedup | peak MB | memory vs first | calls/ex "
-             f"| {primary} | bound hits |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [caption, "", f"| decoder | batch | ex/s | speedup (lowest–highest pass) | peak MB "
+             f"| memory vs first | calls/ex | {primary} | bound hits |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
         memory = "-" if r["memory_vs_first"] is None else f"{r['memory_vs_first']:.2f}"
         label = r["decoder"] + (" (not learned)" if r["not_learned"] else "")
-        lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | {speedup} | "
+        lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
+                     f"{speedup_cell(r, 'speedup')} | "
                      f"{r['peak_memory_mb']:.1f} | {memory} | {r['decoder_calls_per_example']:.1f} | "
                      f"{r['quality'][primary]:.3f} | {r['bound_hit_fraction']:.0%} |")
     baselines = result["baselines"]

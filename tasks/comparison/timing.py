@@ -91,6 +91,11 @@ class Timing:
     def seconds(self) -> float:
         return statistics.median(self.pass_seconds)
 
+    def speedups_over(self, reference: "Timing") -> list[float]:
+        """Per timing pass, the reference's seconds over this decoder's: the ratio measured side
+        by side (pass r of every decoder ran in the same stretch of time)."""
+        return [theirs / ours for theirs, ours in zip(reference.pass_seconds, self.pass_seconds)]
+
     def subsequences(self) -> list[list[list[int]]]:
         return [subs for out in self.outputs for subs in out.subsequences]
 
