@@ -36,7 +36,7 @@ COMPARISONS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (opera
 class Range:
     """The allowed values of one numeric option: `ge`/`gt` and `le`/`lt` bounds (inclusive and
     exclusive), each a number or the name of a sibling option whose value is the bound
-    (`Range(ge=1, le="max_length")`). Stated once, it is read both by the code that takes the value
+    (`Range(ge=1, le="max_new_tokens")`). Stated once, it is read both by the code that takes the value
     and by the configuration check that refuses a bad one before any work (`tasks.config`), so the
     two cannot disagree."""
 
@@ -83,7 +83,7 @@ class Range:
 class Choice:
     """The allowed values of a named option (`Choice(("first_empty", "all_end"))`): the
     counterpart of `Range` for options that pick one of a few behaviours by name, with the same
-    `problem` check, so `option_ranges` holds both."""
+    `problem` check, so an option may be either (`decoders.base.Option`)."""
 
     values: tuple[str, ...]
 

@@ -14,7 +14,7 @@ Algorithm.
        draft was conditioned on a wrong prefix, so the drafter drafts again with the verified prefix
        given (those positions fixed, the rest masked: `MaskPredictDecoder.mask_predict`), at the
        same length. Where the verified output has outgrown the draft, the drafter re-drafts too, at
-       a length `draft_tokens` past the verified prefix (capped at its `max_length`; past that
+       a length `draft_tokens` past the verified prefix (capped at its `max_new_tokens`; past that
        nothing is offered and the verifier goes on alone, one token per call).
 With `top_k` = 1 the output is exactly sequential greedy decoding of the verifier, whatever the
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
+from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode
 from decoders.drafts import DraftAndVerifyDecoder, Verified
 from decoders.loop import send
@@ -49,7 +50,7 @@ class Drafts:
 
     encoder_states: torch.Tensor  # (B, S, d_model) the drafter's own encoder output
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
-    tokens: torch.Tensor          # (B, max_length) the current draft, by output index
+    tokens: torch.Tensor          # (B, max_new_tokens) the current draft, by output index
     lengths: torch.Tensor         # (B,) how many of them are drafted
     offered: torch.Tensor         # 0-dim: draft tokens offered to the verifier so far
     accepted: torch.Tensor        # 0-dim: draft tokens it accepted
@@ -62,28 +63,24 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
     drafts_with = "nar"
-    decode_options = ("draft_tokens", "drafter", "top_k", "max_new_tokens", "drafter_iterations")
     calls_stat = "aggressive_calls"
     # The sequential layout and loss, shared rather than copied: those of the model it verifies with
     # (tasks never fit this decoder, `trains_nothing`).
     layout = SequentialDecoder.layout
     loss = SequentialDecoder.loss
 
-    option_ranges = {"draft_tokens": Range(ge=1, note="draft tokens verified per call"),
-                     "top_k": Range(ge=1, note="1 = exact acceptance"), "max_new_tokens": Range(ge=1),
-                     "drafter_iterations": Range(ge=1, optional=True,
-                                                 note="null: the drafter's own iterations")}
+    # `drafter` is the drafter checkpoint's path, read by the tasks layer only.
+    options = {"draft_tokens": Option(8, Range(ge=1, note="draft tokens verified per call"),
+                                      decode_only=True),
+               "drafter": Option(None, decode_only=True),
+               "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
+               "max_new_tokens": OUTPUT_BOUND,
+               "drafter_iterations": Option(None, Range(ge=1, optional=True,
+                                                        note="null: the drafter's own iterations"),
+                                            decode_only=True)}
 
-    def __init__(self, backbone_config, special: SpecialTokens, draft_tokens: int = 8,
-                 drafter: str | None = None, top_k: int = 1, max_new_tokens: int = 128,
-                 drafter_iterations: int | None = None):
-        super().__init__(backbone_config, special, draft_tokens=draft_tokens, top_k=top_k,
-                         max_new_tokens=max_new_tokens, drafter_iterations=drafter_iterations)
-        self.draft_tokens = int(draft_tokens)
-        self.drafter = drafter  # the drafter checkpoint's path, read by the tasks layer only
-        self.top_k = int(top_k)
-        self.max_new_tokens = int(max_new_tokens)
-        self.drafter_iterations = drafter_iterations
+    def __init__(self, backbone_config, special: SpecialTokens, **options):
+        super().__init__(backbone_config, special, **options)
         # attached, not submodules: the drafter is its own checkpoint, never saved with this one,
         # and moving or training this decoder leaves it alone (`drafter_parts` puts it beside the
         # inputs it drafts for; it always decodes in eval mode)
@@ -116,7 +113,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         nar, nar_model = self.drafter_parts(input_ids.device)
         nar_states = encode(nar_model, input_ids, attention_mask)
         tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, attention_mask)
-        padded = tokens.new_full((len(tokens), nar.max_length), self.special.pad)
+        padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
         padded[:, : tokens.size(1)] = tokens
         zero = torch.zeros((), dtype=torch.long, device=tokens.device)
         return Drafts(nar_states, cross_attention_mask(attention_mask, nar_states.dtype), padded,

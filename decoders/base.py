@@ -29,6 +29,28 @@ from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.backbone import compiled_run_decoder, run_decoder
 
 
+@dataclass(frozen=True)
+class Option:
+    """One decoder option, declared once: its default, its allowed values (a `Range` or a `Choice`;
+    None: any value of the default's type) and whether it only changes generation (`decode_only`:
+    a trained model can be decoded with any value of it; `tasks.compare` sweeps such options
+    without retraining). `Decoder.__init__` checks and stores every option from these declarations,
+    and `tasks.config` reads the same ones for a decoder's configuration group and its checks."""
+
+    default: Any
+    allowed: Range | Choice | None = None
+    decode_only: bool = False
+
+
+# The output bound, one name and one default for every decoder: at most this many output tokens per
+# example, the end token and separators included (the flat layout's count, so that every decoder is
+# bounded alike). Its default is `data.max_target_length`'s (configs/default.yaml), which the decoder
+# groups set it to; tests/test_config.py holds the two equal.
+OUTPUT_BOUND = Option(96, Range(ge=1), decode_only=True)
+# Former names of options, in configurations and checkpoints written before the rename.
+RENAMED_OPTIONS = {"max_length": "max_new_tokens"}
+
+
 @dataclass
 class DecodeOutput:
     """What one `generate` call returns; every list has one entry per example, in input order."""
@@ -44,21 +66,17 @@ class DecodeOutput:
 class Decoder(nn.Module, abc.ABC):
     """Base class of every decoding strategy. `name` is set by `@register`.
 
-    Subclasses take their options (the keys of `configs/decoder/<name>.yaml`) as keyword arguments.
+    Subclasses declare their options once, in `options` (the keys of `configs/decoder/<name>.yaml`);
+    the constructor takes them as keyword arguments, checks them and stores each as an attribute.
     """
 
     name: str = "abstract"
     # Decoders whose losses train the backbone on the same target layout share a family; by default
     # a decoder is its own family (set to the registered name).
     layout_family: str = ""
-    # Options that only change generation, not training: a trained model can be decoded with any
-    # value of these (tasks.compare sweeps them without retraining).
-    decode_options: tuple[str, ...] = ()
-    # The allowed values of the numeric (`Range`) and named (`Choice`) options, in checking order
-    # (a bound naming another option comes after that option's own range): the constructor checks
-    # the options it is given against them, and `tasks.config` reads them to refuse a bad value
-    # before any work.
-    option_ranges: ClassVar[dict[str, Range | Choice]] = {}
+    # Every option of the decoder, in checking order (a bound naming another option comes after
+    # that option): its default, allowed values and whether it is decode-only (`Option`).
+    options: ClassVar[dict[str, Option]] = {}
     # Whether the decoder can train on a trained sequential model's backbone (`train.init_from`),
     # adding only its own modules, as Stern et al. add proposal heads to a trained model: then its
     # greedy output, and so its quality, can stay the sequential model's. tasks.compare starts such
@@ -81,28 +99,43 @@ class Decoder(nn.Module, abc.ABC):
     # Whether decoding runs each decoder call's model step through torch.compile (`model_step`).
     compiled_calls: bool = False
 
-    def __init__(self, backbone_config: T5Config, special: SpecialTokens, **options: Any):
-        """`options`: the subclass's options, checked against `option_ranges` (ValueError)."""
+    def __init__(self, backbone_config: T5Config, special: SpecialTokens, **given: Any):
+        """`given`: values of the decoder's `options` (the others take their defaults), checked
+        against their allowed values (ValueError naming the option, the allowed values and the
+        value) and stored as attributes of the same names."""
         super().__init__()
-        problem = self.options_problem(options)
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            raise ValueError(f"decoder {self.name!r} has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(self.options) or 'none'}")
+        values = {name: given.get(name, option.default) for name, option in self.options.items()}
+        problem = self.options_problem(values)
         if problem is not None:
             raise ValueError(problem)
+        for name, value in values.items():
+            setattr(self, name, value)
         self.backbone_config = backbone_config
         self.special = special
 
     @classmethod
-    def decode_only_options(cls) -> tuple[str, ...]:
-        """Every option a trained model can be decoded with any value of: the decoder's own
-        `decode_options` and the `shared_decode_options`."""
-        return cls.decode_options + cls.shared_decode_options
+    def defaults(cls) -> dict[str, Any]:
+        """Every option's default, by name."""
+        return {name: option.default for name, option in cls.options.items()}
 
     @classmethod
-    def options_problem(cls, options: Mapping[str, Any]) -> str | None:
-        """The message for the first of `options` outside its `option_ranges` entry (naming
+    def decode_only_options(cls) -> tuple[str, ...]:
+        """Every option a trained model can be decoded with any value of: the decoder's own
+        decode-only `options` and the `shared_decode_options`."""
+        own = tuple(name for name, option in cls.options.items() if option.decode_only)
+        return own + cls.shared_decode_options
+
+    @classmethod
+    def options_problem(cls, values: Mapping[str, Any]) -> str | None:
+        """The message for the first of `values` outside its option's allowed values (naming
         `decoder.<option>`, the allowed values and the value), or None if all are allowed."""
-        for name, allowed in cls.option_ranges.items():
-            if name in options:
-                problem = allowed.problem(f"decoder.{name}", options[name], options)
+        for name, option in cls.options.items():
+            if name in values and option.allowed is not None:
+                problem = option.allowed.problem(f"decoder.{name}", values[name], values)
                 if problem is not None:
                     return problem
         return None

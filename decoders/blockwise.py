@@ -31,6 +31,7 @@ from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
+from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
 from decoders.drafts import DraftAndVerifyDecoder
 from decoders.sequential import SequentialDecoder
@@ -56,9 +57,6 @@ class ProposalHead(nn.Module):
 @register("blockwise")
 class BlockwiseDecoder(DraftAndVerifyDecoder):
     layout_family = "flat-causal"  # the base head trains on the sequential layout
-    # Generation-only options: a trained model decodes with any value of these. (block_size fixes
-    # the number of trained heads and freeze_backbone only affects training, so neither is here.)
-    decode_options = ("top_k", "max_new_tokens")
     # Stern et al. add the heads to a trained model; with the backbone frozen the output is its own.
     builds_on_sequential = True
     calls_stat = "blockwise_iterations"
@@ -66,17 +64,16 @@ class BlockwiseDecoder(DraftAndVerifyDecoder):
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout
 
-    option_ranges = {"block_size": Range(ge=2, note="the base head plus at least one proposal head"),
-                     "top_k": Range(ge=1, note="1 = exact acceptance"), "max_new_tokens": Range(ge=1)}
+    # block_size fixes the number of trained heads and freeze_backbone only affects training; a
+    # trained model decodes with any value of the others.
+    options = {"block_size": Option(4, Range(ge=2, note="the base head plus at least one proposal "
+                                                        "head")),
+               "freeze_backbone": Option(False),
+               "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
+               "max_new_tokens": OUTPUT_BOUND}
 
-    def __init__(self, backbone_config, special: SpecialTokens, block_size: int = 4,
-                 freeze_backbone: bool = False, top_k: int = 1, max_new_tokens: int = 128):
-        super().__init__(backbone_config, special, block_size=block_size, top_k=top_k,
-                         max_new_tokens=max_new_tokens)
-        self.block_size = int(block_size)
-        self.freeze_backbone = bool(freeze_backbone)
-        self.top_k = int(top_k)
-        self.max_new_tokens = int(max_new_tokens)
+    def __init__(self, backbone_config, special: SpecialTokens, **options):
+        super().__init__(backbone_config, special, **options)
         # heads[i] predicts token t + 2 + i from the decoder state at t
         self.heads = nn.ModuleList(ProposalHead(backbone_config.d_model, backbone_config.d_ff)
                                    for _ in range(self.block_size - 1))

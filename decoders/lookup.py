@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from decoders import register
-from datamodules.vocabulary import Range, SpecialTokens
+from datamodules.vocabulary import Range
+from decoders.base import OUTPUT_BOUND, Option
 from decoders.drafts import DraftAndVerifyDecoder, Verified
 from decoders.loop import NOT_PRODUCED
 from decoders.sequential import SequentialDecoder
@@ -60,25 +61,18 @@ class SourceLookup:
 @register("lookup")
 class LookupDecoder(DraftAndVerifyDecoder):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
-    decode_options = ("draft_tokens", "match", "max_new_tokens")
     trains_nothing = True
     calls_stat = "lookup_calls"
-    option_ranges = {"draft_tokens": Range(ge=1, note="source tokens offered per call"),
-                     "match": Range(ge=1, note="output tokens looked up in the source"),
-                     "max_new_tokens": Range(ge=1)}
+    options = {"draft_tokens": Option(4, Range(ge=1, note="source tokens offered per call"),
+                                      decode_only=True),
+               "match": Option(1, Range(ge=1, note="output tokens looked up in the source"),
+                               decode_only=True),
+               "max_new_tokens": OUTPUT_BOUND}
 
     # The sequential layout and loss, shared rather than copied: those of the model it decodes
     # (tasks never fit this decoder, `trains_nothing`; a test may train a model with them).
     layout = SequentialDecoder.layout
     loss = SequentialDecoder.loss
-
-    def __init__(self, backbone_config, special: SpecialTokens, draft_tokens: int = 4, match: int = 1,
-                 max_new_tokens: int = 128):
-        super().__init__(backbone_config, special, draft_tokens=draft_tokens, match=match,
-                         max_new_tokens=max_new_tokens)
-        self.draft_tokens = int(draft_tokens)
-        self.match = int(match)
-        self.max_new_tokens = int(max_new_tokens)
 
     # ---- generation: draft and verify, the source drafts ----------------------------------------
     @property

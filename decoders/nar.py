@@ -7,8 +7,8 @@ Layout: as sequential, target = s_1 <sep> s_2 ... s_m </s> (`join_subsequences`)
         (end token included); position i of the decoder predicts target token i (no shift).
 Model:  T5's decoder with *bidirectional* self-attention (every position sees every target
         position) and a learned absolute position embedding added to its input (see below), plus a
-        length predictor: a linear classifier over lengths 1..max_length on the masked mean of the
-        encoder output. Both are submodules of this decoder (trained and checkpointed with it).
+        length predictor: a linear classifier over lengths 1..max_new_tokens on the masked mean of
+        the encoder output. Both are submodules of this decoder (trained and checkpointed with it).
 Loss:   per example draw n ~ U{1..L}, replace n uniformly chosen target positions by the mask token,
         cross-entropy of the masked positions' tokens + length_loss_weight * cross-entropy of L.
 Decode: predict the top-`length_candidates` lengths; for each, start from L mask tokens and predict
@@ -33,12 +33,12 @@ end token last): exact with one candidate; with several, the other candidates' l
 model's, so it is known only when max(L, candidates) >= T (k distinct lengths, the longest is
 >= k) and None otherwise.
 `tokens` is the chosen candidate's length L (every position is produced, the end token included).
-`hit_max_steps` is True when the predicted length is the bound `max_length` and no end token came,
-i.e. the output may have been cut by the bound.
+`hit_max_steps` is True when the predicted length is the bound `max_new_tokens` and no end token
+came, i.e. the output may have been cut by the bound.
 
 Position bias: T5's decoder owns a relative-position table made for unidirectional (past-only)
 buckets. Here keys also lie in the future, so the bucket is T5's bidirectional bucketing of
-key_pos - query_pos (`base.relative_position_bias(..., bidirectional=True)`) looked up in the first
+key_pos - query_pos (`backbone.relative_position_bias(..., bidirectional=True)`) looked up in the first
 decoder layer's `relative_attention_bias`, as T5's encoder does with its own table. With 32 buckets
 the past distances then use buckets 0..15 (coarser) and future distances 16..31, rows that a
 pretrained T5 decoder learned for long past distances: fine-tuning re-learns them. This keeps the
@@ -49,11 +49,13 @@ attention *weights*. In decoding's first pass every input is the mask token, so 
 is the same and any weighting of them gives the same result: without absolute positions all
 positions get the same hidden state and one-pass generation repeats one token L times (re-masking
 could only break the symmetry through float noise). CMLM (a standard Transformer) has absolute
-position embeddings; here a learned table (max_length, d_model) is added to the decoder's input
+position embeddings; here a learned table (max_new_tokens, d_model) is added to the decoder's input
 embeddings. That is why this decoder adds a learned absolute position table to its inputs
 (`run_decoder(..., position_embeddings=...)`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +65,7 @@ from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (at_least_float32, cross_attention_mask, encode, hidden_mask,
                                masked_mean, output_logits, relative_position_bias)
-from decoders.base import Decoder
+from decoders.base import OUTPUT_BOUND, Decoder, Option
 from decoders.loop import flat_decode_output
 from decoders.sequential import join_subsequences
 
@@ -161,28 +163,22 @@ LOG_SOFTMAX_BLOCK = 2 ** 23
 
 @register("nar")
 class MaskPredictDecoder(Decoder):
-    # generation-only: a trained model decodes with any value (tasks.compare sweeps them untrained);
-    # max_length sets the shapes of the trained modules and length_loss_weight the training
-    decode_options = ("iterations", "length_candidates")
-    option_ranges = {"max_length": Range(ge=1), "iterations": Range(ge=1),
-                     "length_candidates": Range(ge=1, le="max_length"),
-                     "length_loss_weight": Range(ge=0, integer=False)}
+    # iterations and length_candidates only change generation: a trained model decodes with any
+    # value (tasks.compare sweeps them untrained); max_new_tokens sets the shapes of the trained
+    # modules and length_loss_weight the training
+    options = {"max_new_tokens": replace(OUTPUT_BOUND, decode_only=False),
+               "iterations": Option(4, Range(ge=1), decode_only=True),
+               "length_candidates": Option(1, Range(ge=1, le="max_new_tokens"), decode_only=True),
+               "length_loss_weight": Option(0.1, Range(ge=0, integer=False))}
 
-    def __init__(self, backbone_config, special: SpecialTokens, iterations: int = 4,
-                 length_candidates: int = 1, length_loss_weight: float = 0.1, max_length: int = 96):
-        super().__init__(backbone_config, special, iterations=iterations,
-                         length_candidates=length_candidates, length_loss_weight=length_loss_weight,
-                         max_length=max_length)
-        self.iterations = iterations
-        self.length_candidates = length_candidates
-        self.length_loss_weight = float(length_loss_weight)
-        self.max_length = max_length
+    def __init__(self, backbone_config, special: SpecialTokens, **options):
+        super().__init__(backbone_config, special, **options)
         # class k <-> length k + 1; a submodule, so it is trained, checkpointed and moved with the task
-        self.length_predictor = nn.Linear(backbone_config.d_model, max_length)
-        # absolute positions 0..max_length-1 (see the module docstring); initialised at the scale of
-        # T5's own token embeddings (normal, std = initializer_factor) so that positions are told
-        # apart from the first step on
-        self.position_embedding = nn.Embedding(max_length, backbone_config.d_model)
+        self.length_predictor = nn.Linear(backbone_config.d_model, self.max_new_tokens)
+        # absolute positions 0..max_new_tokens-1 (see the module docstring); initialised at the
+        # scale of T5's own token embeddings (normal, std = initializer_factor) so that positions
+        # are told apart from the first step on
+        self.position_embedding = nn.Embedding(self.max_new_tokens, backbone_config.d_model)
         nn.init.normal_(self.position_embedding.weight, std=backbone_config.initializer_factor)
 
     # -- the decoder stack -----------------------------------------------------------------------
@@ -190,9 +186,9 @@ class MaskPredictDecoder(Decoder):
                        encoder_states: torch.Tensor, encoder_mask: torch.Tensor) -> torch.Tensor:
         """One decoder pass: T5's blocks on token + absolute position embeddings.
 
-        decoder_input: (B, W) ids, W <= max_length; self_bias: (B, heads, W, W) (bias + visibility);
+        decoder_input: (B, W) ids, W <= max_new_tokens; self_bias: (B, heads, W, W) (bias + visibility);
         encoder_states: (B, S, d_model); encoder_mask: (B, S) 1/0, or its `cross_attention_mask`
-        -> final hidden states (B, W, d_model). As `base.run_decoder`, without a cache: every pass
+        -> final hidden states (B, W, d_model). As `backbone.run_decoder`, without a cache: every pass
         recomputes all positions, since their inputs change.
         """
         width = decoder_input.size(1)
@@ -201,7 +197,8 @@ class MaskPredictDecoder(Decoder):
 
     # -- length prediction ---------------------------------------------------------------------
     def length_logits(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, S, d_model) encoder output, (B, S) 1/0 mask -> (B, max_length) logits over lengths 1..max.
+        """(B, S, d_model) encoder output, (B, S) 1/0 mask -> (B, max_new_tokens) logits over
+        lengths 1..max_new_tokens.
 
         Pooling is a masked mean so that padding added by batching does not change an example's
         prediction.
@@ -211,9 +208,9 @@ class MaskPredictDecoder(Decoder):
 
     # -- layout and loss -----------------------------------------------------------------------
     def layout(self, targets):
-        # A target longer than max_length (the datamodule keeps targets within
-        # data.max_target_length, max_length's default) is cut to it: no decode can be longer.
-        flat = [join_subsequences(subs, self.special.sep, self.special.eos)[: self.max_length]
+        # A target longer than max_new_tokens (the datamodule keeps targets within
+        # data.max_target_length, max_new_tokens's default) is cut to it: no decode can be longer.
+        flat = [join_subsequences(subs, self.special.sep, self.special.eos)[: self.max_new_tokens]
                 for subs in targets]
         return {
             "target": pad_batch(flat, self.special.pad),                     # (B, W)
@@ -221,9 +218,9 @@ class MaskPredictDecoder(Decoder):
         }
 
     def calls_for_output(self, subsequences):
-        # L as decoding produces it: the flat target up to its end token, cut to max_length
+        # L as decoding produces it: the flat target up to its end token, cut to max_new_tokens
         length = min(len(join_subsequences(subsequences, self.special.sep, self.special.eos)),
-                     self.max_length)
+                     self.max_new_tokens)
         # The other candidates' lengths are the model's, k distinct lengths, so the longest is >= k:
         # the count is known when max(L, k) already needs every iteration (or when k = 1).
         calls = mask_predict_passes(max(length, self.length_candidates), self.iterations)
@@ -312,7 +309,7 @@ class MaskPredictDecoder(Decoder):
         batch_size, device = encoder_states.size(0), encoder_states.device
         k = self.length_candidates
         # top-k lengths; a stable descending sort makes equal scores prefer the shorter length
-        length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_length)
+        length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_new_tokens)
         order = torch.sort(length_scores, dim=1, descending=True, stable=True).indices
         # (N = B*k,): the k candidates of example 0, then those of example 1, ...
         lengths = (order[:, :k] + 1).reshape(-1)
@@ -344,6 +341,6 @@ class MaskPredictDecoder(Decoder):
 
         outputs = [chosen_tokens[:length] for length, *chosen_tokens in chosen]
         # cut by the bound: a predicted length at the bound with no end token in it
-        hit_bound = [len(tokens) == self.max_length and self.special.eos not in tokens
+        hit_bound = [len(tokens) == self.max_new_tokens and self.special.eos not in tokens
                      for tokens in outputs]
         return flat_decode_output(outputs, self.special, calls, max(calls), hit_max_steps=hit_bound)

@@ -19,11 +19,11 @@ Proto-tokens. e = embed(b) + MLP(masked mean of the encoder states) (d_model -> 
     model's own first step at position 0); m = embed(b) + a learned offset, shared by all examples.
 Layout. The sequential one: labels = s_1 <sep> ... s_m </s> (`join_subsequences`).
 Loss. Cross-entropy of position i's logits against label i, positions past the target ignored.
-Decode. One decoder call on [e, m x (max_length - 1)] under T5's causal relative bias
+Decode. One decoder call on [e, m x (max_new_tokens - 1)] under T5's causal relative bias
     (`past_distance_bias_table`); the argmax at every position; the output is the tokens up to the
     first end token, split at separators (`split_flat_output`), read back to the host once.
     Under the causal mask position i sees inputs 0..i only, so a position's output does not depend
-    on `max_length`: it only cuts the output, and is a decode-time option.
+    on `max_new_tokens`: it only cuts the output, and is a decode-time option.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders import register
-from datamodules.vocabulary import Range, SpecialTokens
+from datamodules.vocabulary import SpecialTokens
 from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
                                past_distance_bias_table, run_decoder, with_frozen_weights)
-from decoders.base import Decoder
+from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.loop import read_back, flat_decode_output
 from decoders.sequential import SequentialDecoder
 
@@ -96,8 +96,6 @@ class OneStepDecoder(Decoder):
     # Its backbone is a sequential model's, untouched, so the sequential decoder (and blockwise,
     # given heads) can decode an onestep checkpoint; the converse is `can_decode_checkpoint_of`.
     layout_family = "flat-causal"
-    # Position i's output depends on inputs 0..i only (causal), so max_length only cuts the output.
-    decode_options = ("max_length",)
     # The backbone is a trained sequential model's, always frozen: only the proto-tokens learn.
     builds_on_sequential = True
     needs_trained_backbone = True
@@ -105,12 +103,12 @@ class OneStepDecoder(Decoder):
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout
 
-    option_ranges = {"max_length": Range(ge=1, note="output positions of the one decoder call, "
-                                                     "end token included")}
+    # Position i's output depends on inputs 0..i only (causal), so the output bound (the positions
+    # of the one decoder call, end token included) only cuts the output: a decode-only option.
+    options = {"max_new_tokens": OUTPUT_BOUND}
 
-    def __init__(self, backbone_config, special: SpecialTokens, max_length: int = 96):
-        super().__init__(backbone_config, special, max_length=max_length)
-        self.max_length = max_length
+    def __init__(self, backbone_config, special: SpecialTokens, **options):
+        super().__init__(backbone_config, special, **options)
         self.proto_encoder = ProtoTokenEncoder(backbone_config.d_model, backbone_config.d_ff)
         # m - embed(b): random, at the scale of T5's own embedding init, so that m differs from e
         # from the start (with m = e every input is the same vector and every position, attending
@@ -125,7 +123,7 @@ class OneStepDecoder(Decoder):
         return issubclass(trained, cls)
 
     def calls_for_output(self, subsequences):
-        return 1  # whatever the output, as long as it fits max_length
+        return 1  # whatever the output, as long as it fits max_new_tokens
 
     def offsets(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor,
                 width: int) -> torch.Tensor:
@@ -152,7 +150,7 @@ class OneStepDecoder(Decoder):
     def generate(self, model, input_ids, attention_mask):
         batch_size = input_ids.size(0)
         encoder_states = encode(model, input_ids, attention_mask)               # (B, S, d_model)
-        offsets = self.offsets(encoder_states, attention_mask, self.max_length)  # (B, W, d_model)
+        offsets = self.offsets(encoder_states, attention_mask, self.max_new_tokens)  # (B, W, d_model)
         tokens = one_pass_logits(model, self.special.start, offsets, encoder_states, attention_mask,
                                  self.model_step()).argmax(-1)                   # (B, W)
         rows, = read_back(tokens)                                                # the one sync point

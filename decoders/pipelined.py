@@ -27,13 +27,13 @@ in ONE decoder call that feeds only the newest token of each; a subsequence ends
   next start is then done too, so it can never write a subsequence after such a gap.
 Failed explorations keep their slot (subsequence i starts at step i*d, whatever i's fate), and their
 b stays in the context, as in the paper's sequence of subsequences. All examples are done at
-`max_steps`. Output = the non-empty subsequences, in order.
+the step bound. Output = the non-empty subsequences, in order.
 
-Output bound. An example's output is at most `max_length` tokens counted as the flat layout counts
-them (s_1 <sep> s_2 ... s_m </s>): each token of a non-empty subsequence, its end token included (it
-stands for a separator or the final end), the empty terminator's end not. That is the bound of every
-other decoder (sequential's `max_new_tokens`, NAR's `max_length`, all = data.max_target_length), so
-outputs cut by it are alike across decoders. A call whose tokens would take an example past it keeps
+Output bound. An example's output is at most `max_new_tokens` tokens counted as the flat layout
+counts them (s_1 <sep> s_2 ... s_m </s>): each token of a non-empty subsequence, its end token
+included (it stands for a separator or the final end), the empty terminator's end not. That is the
+bound of every other decoder (`decoders.base.OUTPUT_BOUND`), so outputs cut by it are alike across
+decoders. A call whose tokens would take an example past it keeps
 them, in subsequence order, up to the bound, and ends the example (a bound hit). `max_steps` (decoder
 calls per batch) is only a safety net: unset, it is the most steps the slots allow,
 (max_subsequences - 1) * delay + max_subsequence_length, so it never cuts anything by itself.
@@ -65,7 +65,7 @@ from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
                                HeadTable, new_cache, output_logits, past_distance_bias_table,
                                run_decoder)
-from decoders.base import DecodeOutput, Decoder
+from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, send
 
 # the stopping rules (module docstring)
@@ -145,15 +145,15 @@ class Example:
     """One example's decoding, kept on the host: each call's tokens are read back (the call's one
     sync) and written here. Slot i holds subsequence i."""
 
-    room: int                      # tokens its output may still take: max_length - its length so far
+    room: int                      # tokens its output may still take: max_new_tokens - its length so far
     slots: list[list[int]] = field(default_factory=list)   # each started slot's tokens (e included)
     running: list[int] = field(default_factory=list)       # the slots fed at this step, in order
     may_start: bool = True         # it may start more subsequences
     fed: int = 0                   # its real columns in the cache (a call's padding columns not)
     calls: int = 0                 # decoder calls it took part in with a running subsequence
-    cut: bool = False              # a token did not fit max_length
+    cut: bool = False              # a token did not fit max_new_tokens
     denied_start: bool = False     # a subsequence was due to start and no slot was left
-    done: bool = False             # it left the batch before max_steps
+    done: bool = False             # it left the batch before the step bound
 
 
 @dataclass
@@ -188,26 +188,23 @@ class Batch:
 
 @register("pipelined")
 class PipelinedDecoder(Decoder):
-    decode_options = ("max_subsequences", "max_subsequence_length", "max_length", "max_steps",
-                      "stop_rule")
-    option_ranges = {"delay": Range(ge=1), "max_subsequences": Range(ge=1),
-                     "max_subsequence_length": Range(ge=1), "max_length": Range(ge=1),
-                     "max_steps": Range(ge=1, optional=True, note="null: as many as the slots allow"),
-                     "stop_rule": Choice((FIRST_EMPTY, ALL_END))}
-    def __init__(self, backbone_config, special: SpecialTokens, delay: int = 1,
-                 max_subsequences: int = 16, max_subsequence_length: int = 32, max_length: int = 128,
-                 max_steps: int | None = None, stop_rule: str = FIRST_EMPTY):
-        super().__init__(backbone_config, special, delay=delay, max_subsequences=max_subsequences,
-                         max_subsequence_length=max_subsequence_length, max_length=max_length,
-                         max_steps=max_steps, stop_rule=stop_rule)
-        self.delay = delay
-        self.max_subsequences = max_subsequences
-        self.max_subsequence_length = max_subsequence_length
-        self.max_length = max_length
-        # the last slot starts at `_last_start` and runs at most max_subsequence_length steps
-        self.max_steps = (max_steps if max_steps is not None
-                          else self._last_start() + max_subsequence_length)
-        self.stop_rule = stop_rule
+    # The defaults of max_subsequences and max_subsequence_length are the data limits' defaults
+    # (configs/default.yaml), which the decoder group sets them to, as OUTPUT_BOUND's.
+    options = {"delay": Option(1, Range(ge=1)),
+               "max_subsequences": Option(16, Range(ge=1), decode_only=True),
+               "max_subsequence_length": Option(32, Range(ge=1), decode_only=True),
+               "max_new_tokens": OUTPUT_BOUND,
+               "max_steps": Option(None, Range(ge=1, optional=True,
+                                               note="null: as many as the slots allow"),
+                                   decode_only=True),
+               "stop_rule": Option(FIRST_EMPTY, Choice((FIRST_EMPTY, ALL_END)), decode_only=True)}
+
+    def __init__(self, backbone_config, special: SpecialTokens, **options):
+        super().__init__(backbone_config, special, **options)
+        # decoder calls per batch; unset, the last slot's start (`_last_start`) plus the steps of
+        # one subsequence, the most the slots allow
+        self.step_bound = (self.max_steps if self.max_steps is not None
+                           else self._last_start() + self.max_subsequence_length)
 
     # -- layout and loss -----------------------------------------------------------------------
     def layout(self, targets):
@@ -276,7 +273,7 @@ class PipelinedDecoder(Decoder):
     def generate(self, model, input_ids, attention_mask):
         """Algorithm 1, top to bottom: encode; at every time step start subsequence step/d, make
         ONE decoder call for every running subsequence, write its tokens, drop the examples that
-        are done; until none is left or `max_steps`; then the output.
+        are done; until none is left or the step bound; then the output.
 
         The cache stays lean: each call appends R columns per example (R = the batch's largest
         running count), padding where an example runs fewer. When the cache holds more columns
@@ -294,9 +291,9 @@ class PipelinedDecoder(Decoder):
         are what a call costs beyond sequential's, so there are as few as possible
         (`tasks.bench.op_counts`).
         """
-        examples = [Example(room=self.max_length) for _ in range(input_ids.size(0))]
+        examples = [Example(room=self.max_new_tokens) for _ in range(input_ids.size(0))]
         batch = self._start(model, input_ids, attention_mask, examples)
-        for step in range(self.max_steps):
+        for step in range(self.step_bound):
             self._start_subsequences(batch.live, step)                                 # lines 5-7
             if not any(example.running for example in batch.live):
                 # with delay > 1 every live example may wait for its next start: no call
@@ -373,7 +370,7 @@ class PipelinedDecoder(Decoder):
 
     def _append(self, live: list[Example], tokens: list[int]) -> None:
         """Lines 9-11: each running subsequence's token is written to its slot, in subsequence
-        order while the output fits max_length (the empty terminator's e takes no room; a token
+        order while the output fits max_new_tokens (the empty terminator's e takes no room; a token
         that does not fit cuts the example, and the call's later tokens are dropped); a
         subsequence ends at e or at max_subsequence_length tokens; under first_empty an empty
         subsequence stops new starts."""
@@ -396,7 +393,7 @@ class PipelinedDecoder(Decoder):
 
     def _drop_done(self, batch: Batch, step: int) -> bool:
         """Lines 12-13: the examples that are done leave the batch and the cache: those cut by
-        max_length, and those with nothing running and (first_empty) nothing left to start
+        max_new_tokens, and those with nothing running and (first_empty) nothing left to start
         (all_end: whatever could still start). Returns whether any example is left."""
         start_due = self.stop_rule == FIRST_EMPTY and step < self._last_start()
         for example in batch.live:
@@ -422,8 +419,8 @@ class PipelinedDecoder(Decoder):
 
     def _output(self, examples: list[Example], batch_calls: int) -> DecodeOutput:
         """Line 14: every example's non-empty subsequences, in order (their e dropped), and what
-        it took. An example was cut by a bound if it was still decoding after max_steps, if a
-        token did not fit max_length, if a slot wrote max_subsequence_length tokens none of them
+        it took. An example was cut by a bound if it was still decoding after the step bound, if
+        a token did not fit max_new_tokens, if a slot wrote max_subsequence_length tokens none of them
         e, if a start was due with no slot left, or (first_empty) if it never wrote its empty
         terminator."""
         eos, length = self.special.eos, self.max_subsequence_length

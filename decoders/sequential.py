@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from decoders import register
-from datamodules.vocabulary import pad_batch, Range, SpecialTokens
+from datamodules.vocabulary import pad_batch
 from decoders.backbone import (cross_attention_mask, encode, new_cache, output_logits,
                                past_distance_bias_table)
-from decoders.base import Decoder
+from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
 
 
@@ -37,11 +37,7 @@ def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list
 @register("sequential")
 class SequentialDecoder(Decoder):
     layout_family = "flat-causal"  # blockwise trains its base head on this same layout
-    decode_options = ("max_new_tokens",)
-    option_ranges = {"max_new_tokens": Range(ge=1)}
-    def __init__(self, backbone_config, special: SpecialTokens, max_new_tokens: int = 128):
-        super().__init__(backbone_config, special, max_new_tokens=max_new_tokens)
-        self.max_new_tokens = max_new_tokens
+    options = {"max_new_tokens": OUTPUT_BOUND}
 
     def layout(self, targets):
         flat = [join_subsequences(subs, self.special.sep, self.special.eos) for subs in targets]

@@ -7,12 +7,13 @@ A group is chosen with `group=name` (`model=t5-base`, `data=kp20k`), with `--tas
 command line, or through the key that names it (`task.name`, `decoder.name`, `model.name`,
 `data.source`). A single key is set with `group.key=value`. Everything is checked before any work:
 unknown group names, unknown keys, values of the wrong type and values out of range (`VALUE_RANGES`,
-each decoder's `option_ranges`, `trainer.devices`) raise `ConfigError` naming the key or value and
+each decoder's declared `options`, `trainer.devices`) raise `ConfigError` naming the key or value and
 what is allowed.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -23,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from datamodules.vocabulary import Range
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+log = logging.getLogger("tasks")
 
 # group -> the key inside the group that names the chosen file
 GROUPS = {"task": "name", "decoder": "name", "model": "name", "data": "source"}
@@ -61,15 +63,14 @@ def _load_yaml(path: Path) -> DictConfig:
 
 
 def _decoder_group(name: str) -> DictConfig:
-    """A decoder's options: its constructor's keyword defaults, then its YAML file if it has one.
+    """A decoder's options: their defaults as the decoder declares them (`Decoder.options`), then
+    its YAML file if it has one.
 
     Reading the defaults from the class means a new decoder needs no YAML file to be usable, and
     a YAML key the class does not accept is caught here.
     """
     from decoders import decoder_class
-    params = inspect.signature(decoder_class(name).__init__).parameters
-    options = {k: p.default for k, p in params.items()
-               if k not in ("self", "backbone_config", "special") and p.default is not inspect.Parameter.empty}
+    options = decoder_class(name).defaults()
     cfg = OmegaConf.create({"name": name, **options})
     path = CONFIG_DIR / "decoder" / f"{name}.yaml"
     if path.exists():
@@ -180,6 +181,10 @@ def compose(task: str | None = None, decoder: str | None = None, config_file: st
         raise ConfigError(f"--config file {config_file} does not exist")
     choices, settings = _parse_dotlist(overrides)
     from_file = _load_yaml(Path(config_file)) if config_file else OmegaConf.create({})
+    _refuse_renamed(settings, "override")
+    _refuse_renamed(from_file, f"--config {config_file}")
+    if base is not None:
+        base = _with_current_names(base)
 
     defaults = _load_yaml(CONFIG_DIR / "default.yaml")
     cfg = defaults if base is None else _with_todays_defaults(defaults, OmegaConf.create(base))
@@ -222,6 +227,30 @@ def compose(task: str | None = None, decoder: str | None = None, config_file: st
     return cfg
 
 
+def _refuse_renamed(update: DictConfig, origin: str) -> None:
+    """A decoder option set under a former name (`decoders.base.RENAMED_OPTIONS`) is refused,
+    naming its name now."""
+    from decoders.base import RENAMED_OPTIONS
+    for old, new in RENAMED_OPTIONS.items():
+        if OmegaConf.select(update, f"decoder.{old}") is not None:
+            raise ConfigError(f"{origin}: decoder.{old} is now called decoder.{new}; set "
+                              f"decoder.{new} instead")
+
+
+def _with_current_names(stored: dict) -> dict:
+    """A stored configuration (a checkpoint's) with the decoder options renamed since it was written
+    under their names now, so that checkpoints written before a rename still load and decode; each
+    rename is logged as a deprecation."""
+    from decoders.base import RENAMED_OPTIONS
+    decoder = dict(stored.get("decoder") or {})
+    for old, new in RENAMED_OPTIONS.items():
+        if old in decoder and new not in decoder:
+            log.warning("the stored configuration names decoder.%s, which is now decoder.%s; read "
+                        "as that (deprecated: checkpoints written now store decoder.%s)", old, new, new)
+            decoder[new] = decoder.pop(old)
+    return {**stored, "decoder": decoder} if "decoder" in stored else stored
+
+
 def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfig:
     """A stored configuration, with the keys added to the library since it was written filled with
     their defaults (for the stored group choices), so that older checkpoints stay usable."""
@@ -233,7 +262,7 @@ def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfi
 
 
 # The allowed values of the numeric keys outside the decoder group (each decoder states its own
-# options' ranges: `Decoder.option_ranges`). A key a configuration does not have (model sizes with a
+# options' allowed values: `Decoder.options`). A key a configuration does not have (model sizes with a
 # pretrained model, Trainer arguments left to Lightning's defaults) is not checked.
 VALUE_RANGES: dict[str, Range] = {
     "seed": Range(ge=0, le=2 ** 32 - 1, note="the seeds NumPy accepts"),
@@ -283,7 +312,7 @@ _ABSENT = object()
 
 def _check_values(cfg: DictConfig) -> None:
     """Value ranges that the type check cannot see: `VALUE_RANGES`, the decoder's
-    `option_ranges`, `trainer.devices` and the named choices."""
+    declared `options`, `trainer.devices` and the named choices."""
     from datamodules.schema import TASKS
     from decoders import decoder_class
     if cfg.task.name not in TASKS:

@@ -62,15 +62,16 @@ def option_variants(decoder: str) -> list[dict]:
         "sequential": [{"max_new_tokens": 4}, {"max_new_tokens": 40}],
         "blockwise": [{"block_size": block_size, "top_k": top_k, "max_new_tokens": bound}
                       for block_size in (2, 4) for top_k in (1, 2) for bound in (5, 40)],
-        "pipelined": (
+        # every pipelined case states its output bound, 128 where no other is pinned
+        "pipelined": [{**options, "max_new_tokens": options.get("max_new_tokens", 128)} for options in (
             [{"delay": delay, "stop_rule": rule, "max_subsequences": 6, "max_subsequence_length": 8}
              for delay in (1, 2, 3) for rule in ("first_empty", "all_end")]
-            + [{"delay": 1}, {"delay": 1, "max_length": 5}, {"delay": 2, "max_subsequences": 2},
+            + [{"delay": 1}, {"delay": 1, "max_new_tokens": 5}, {"delay": 2, "max_subsequences": 2},
                {"delay": 1, "max_subsequence_length": 3}, {"delay": 2, "max_steps": 4},
-               {"delay": 1, "stop_rule": "all_end", "max_subsequences": 2}]),
-        "nar": [{"iterations": iterations, "length_candidates": candidates, "max_length": bound}
+               {"delay": 1, "stop_rule": "all_end", "max_subsequences": 2}])],
+        "nar": [{"iterations": iterations, "length_candidates": candidates, "max_new_tokens": bound}
                 for iterations in (1, 4, 10) for candidates in (1, 3) for bound in (8, 40)],
-        "onestep": [{"max_length": 5}, {"max_length": 40}],
+        "onestep": [{"max_new_tokens": 5}, {"max_new_tokens": 40}],
     }[decoder]
 
 

@@ -10,14 +10,14 @@ and each running subsequence gets its argmax. The stop rules and bounds, as the 
 docstring states them:
 - a subsequence ends at e or after `max_subsequence_length` tokens;
 - the output, counted as the flat layout counts it (every token of a subsequence, its e too, but
-  not the empty terminator's e), holds at most `max_length` tokens: a step's tokens are kept in
+  not the empty terminator's e), holds at most `max_new_tokens` tokens: a step's tokens are kept in
   subsequence order up to the bound, and a token past it ends the example;
 - first_empty: a subsequence whose first token is e stops new starts; the example is done when
   nothing runs and nothing can start. all_end: it is done after the first step at which nothing
   runs;
 - at most `max_steps` steps.
 An example was cut by a bound (`hit_max_steps`) if it was still decoding after `max_steps`, if a
-token did not fit `max_length`, if a subsequence reached `max_subsequence_length` without e, if
+token did not fit `max_new_tokens`, if a subsequence reached `max_subsequence_length` without e, if
 under first_empty it never wrote its empty terminator, or if a subsequence was due to start while
 it was decoding and no slot was left.
 """
@@ -72,7 +72,7 @@ def reference_decode(decoder, model, input_ids: torch.Tensor, attention_mask: to
 def decode_example(decoder, model, input_ids, attention_mask) -> Example:
     """Algorithm 1 for one example, (1, source_len) inputs."""
     example = Example()
-    for step in range(decoder.max_steps):
+    for step in range(decoder.step_bound):
         if step % decoder.delay == 0 and example.may_start:    # lines 5-7: every d steps
             if step // decoder.delay < decoder.max_subsequences:
                 example.subsequences.append(Subsequence(fed=[decoder.special.start]))
@@ -112,7 +112,7 @@ def append_next_tokens(decoder, model, input_ids, attention_mask, example: Examp
         tokens.append(token)
         empty = token == eos and j == 0
         output_length += not empty    # the empty terminator's e is no output
-        if output_length > decoder.max_length:
+        if output_length > decoder.max_new_tokens:
             s.cut = True
         else:
             s.emitted.append(token)

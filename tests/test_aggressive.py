@@ -63,8 +63,8 @@ class ScriptedDrafter(MaskPredictDecoder):
     """A Mask-Predict drafter whose drafts are scripted per source: the first draft is `first`,
     every re-draft fills the free positions from `later` (JUNK past its end). Counts its passes."""
 
-    def __init__(self, first: dict, later: dict, iterations: int = 3, max_length: int = BOUND + 4):
-        super().__init__(tiny_t5(0).config, SPECIAL, iterations=iterations, max_length=max_length)
+    def __init__(self, first: dict, later: dict, iterations: int = 3, max_new_tokens: int = BOUND + 4):
+        super().__init__(tiny_t5(0).config, SPECIAL, iterations=iterations, max_new_tokens=max_new_tokens)
         self.first, self.later = first, later
         self.redraft_prefixes = []  # (source, given tokens) of every re-drafted row
 
@@ -107,7 +107,7 @@ def corrupted(tokens, positions):
 @pytest.mark.parametrize("draft_tokens", [1, 3, 8])
 def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens):
     model, drafter_model = tiny_t5(0), tiny_t5(7)
-    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_length=BOUND).eval()
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_new_tokens=BOUND).eval()
     input_ids, attention_mask = random_batch(batch_size, seed=3)
     out = aggressive(model, drafter, drafter_model, draft_tokens=draft_tokens).generate(
         model, input_ids, attention_mask)
@@ -218,7 +218,7 @@ def test_given_positions_are_never_remasked():
 
 def test_mask_predict_keeps_the_given_prefix():
     drafter_model = tiny_t5(3)
-    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_length=12).eval()
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_new_tokens=12).eval()
     input_ids, attention_mask = random_batch(3, seed=8)
     from decoders.backbone import cross_attention_mask, encode
     with torch.no_grad():

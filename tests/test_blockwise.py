@@ -468,4 +468,4 @@ def test_yaml_options_are_the_constructor_arguments():
 
 
 def test_generation_only_options():
-    assert set(decoder_class("blockwise").decode_options) == {"top_k", "max_new_tokens"}
+    assert set(decoder_class("blockwise").decode_only_options()) == {"top_k", "max_new_tokens", "compile"}

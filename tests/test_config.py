@@ -4,9 +4,12 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
+from transformers import T5Config
 
 from datamodules.hub import HUB_DATASETS
+from decoders import available, build_decoder, decoder_class
 from tasks.config import CONFIG_DIR, ConfigError, compose, flatten
+from tests.conftest import SPECIAL
 
 
 def test_groups_file_and_overrides_compose_in_order(tmp_path):
@@ -87,11 +90,11 @@ def test_each_task_sets_its_budget_and_any_override_wins():
 
 
 def test_interpolated_default_takes_a_value_of_its_resolved_type():
-    cfg = compose("keyphrase", "pipelined", None, ["decoder.max_length=7"])
-    assert cfg.decoder.max_length == 7
-    with pytest.raises(ConfigError, match="decoder.max_length='many' has type str, but decoder.max_length "
+    cfg = compose("keyphrase", "pipelined", None, ["decoder.max_new_tokens=7"])
+    assert cfg.decoder.max_new_tokens == 7
+    with pytest.raises(ConfigError, match="decoder.max_new_tokens='many' has type str, but decoder.max_new_tokens "
                                           "takes int"):
-        compose("keyphrase", "pipelined", None, ["decoder.max_length=many"])
+        compose("keyphrase", "pipelined", None, ["decoder.max_new_tokens=many"])
 
 
 DATA_LIMITS = ("max_source_length", "max_target_length", "max_subsequences", "max_subsequence_length")
@@ -111,10 +114,10 @@ def test_each_named_dataset_sets_its_length_limits_and_the_decoders_follow_them(
         cfg = compose(task, "pipelined", None, [f"data={name}", *overrides])
         assert all(cfg.data[key] == limits[key] for key in DATA_LIMITS if key in limits)
         assert (cfg.decoder.max_subsequences, cfg.decoder.max_subsequence_length,
-                cfg.decoder.max_length) == (limits["max_subsequences"],
+                cfg.decoder.max_new_tokens) == (limits["max_subsequences"],
                                             limits["max_subsequence_length"], limits["max_target_length"])
         for decoder, option in (("sequential", "max_new_tokens"), ("blockwise", "max_new_tokens"),
-                                ("nar", "max_length"), ("onestep", "max_length")):
+                                ("nar", "max_new_tokens"), ("onestep", "max_new_tokens")):
             cfg = compose(task, decoder, None, [f"data={name}", *overrides])
             assert cfg.decoder[option] == limits["max_target_length"]
 
@@ -167,3 +170,44 @@ def test_cli_print_config_and_error_exit_code():
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "unknown decoder 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("name", available())
+def test_a_decoder_built_from_python_has_its_configuration_groups_options(name):
+    """Each option is declared once (`Decoder.options`): a decoder built from Python with no options
+    and one built from its composed configuration group at the defaults hold the same values, so
+    the constructor's defaults and the YAML group's (interpolated) ones cannot drift apart."""
+    cfg = compose("keyphrase", name)
+    options = {k: v for k, v in cfg.decoder.items() if k != "name"}
+    assert set(options) == set(decoder_class(name).options) | {"compile"}
+    from_python = build_decoder(name, T5Config(d_model=32), SPECIAL)
+    from_config = build_decoder(name, T5Config(d_model=32), SPECIAL, **options)
+    for option in decoder_class(name).options:
+        assert getattr(from_python, option) == getattr(from_config, option) == options[option], option
+
+
+def test_every_decoder_names_its_output_bound_alike():
+    for name in available():
+        assert "max_new_tokens" in decoder_class(name).options, name
+        assert compose("keyphrase", name, None, ["data.max_target_length=33"]).decoder.max_new_tokens == 33
+
+
+@pytest.mark.parametrize("where", ["override", "file"])
+def test_a_former_option_name_is_refused_naming_the_name_now(where, tmp_path):
+    extra = tmp_path / "old.yaml"
+    extra.write_text("decoder:\n  max_length: 7\n")
+    with pytest.raises(ConfigError, match=r"decoder\.max_length is now called decoder\.max_new_tokens"):
+        if where == "override":
+            compose("keyphrase", "pipelined", None, ["decoder.max_length=7"])
+        else:
+            compose("keyphrase", "pipelined", str(extra))
+
+
+def test_a_stored_config_with_a_former_option_name_reads_as_the_name_now(caplog):
+    stored = OmegaConf.to_container(compose("keyphrase", "nar"), resolve=True)
+    stored["decoder"]["max_length"] = stored["decoder"].pop("max_new_tokens") - 9
+    with caplog.at_level("WARNING", logger="tasks"):
+        cfg = compose(base=stored)
+    assert cfg.decoder.max_new_tokens == stored["decoder"]["max_length"]
+    assert "max_length" not in cfg.decoder
+    assert "decoder.max_length, which is now decoder.max_new_tokens" in caplog.text

@@ -1,6 +1,5 @@
 """Scale-out and faults: DDP evaluation, resume into the same run, run status on errors, atomic
 writes, determinism, and bad input that fails before any work."""
-import inspect
 import json
 import os
 import signal
@@ -277,7 +276,7 @@ def test_a_small_share_of_bound_hits_is_logged_but_not_warned(tmp_path, caplog):
 
 # Every documented option and setting with a value outside its range, and the message it must give.
 # Decoder options come with the decoder that has them; TINY sets data.max_target_length=40, which is
-# nar's default max_length. A test below checks that every numeric decoder option is here.
+# nar's default max_new_tokens. A test below checks that every numeric decoder option is here.
 DECODER_BAD_VALUES = [
     ("sequential", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
     ("pipelined", "decoder.delay=0", "decoder.delay must be an integer >= 1, got 0"),
@@ -287,7 +286,7 @@ DECODER_BAD_VALUES = [
      "decoder.max_subsequence_length must be an integer >= 1, got 0"),
     ("pipelined", "decoder.max_steps=0", "decoder.max_steps must be an integer >= 1 or null (null: "
                                          "as many as the slots allow), got 0"),
-    ("pipelined", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
+    ("pipelined", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
     ("pipelined", "decoder.stop_rule=paper",
      "decoder.stop_rule must be one of 'first_empty', 'all_end', got 'paper'"),
     ("blockwise", "decoder.block_size=1", "decoder.block_size must be an integer >= 2 (the base head "
@@ -302,14 +301,13 @@ DECODER_BAD_VALUES = [
                                "iterations), got 0"),
     ("nar", "decoder.iterations=0", "decoder.iterations must be an integer >= 1, got 0"),
     ("nar", "decoder.length_candidates=0",
-     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (40), got 0"),
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_new_tokens (40), got 0"),
     ("nar", "decoder.length_candidates=41",
-     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (40), got 41"),
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_new_tokens (40), got 41"),
     ("nar", "decoder.length_loss_weight=-0.5",
      "decoder.length_loss_weight must be a finite number >= 0, got -0.5"),
-    ("nar", "decoder.max_length=0", "decoder.max_length must be an integer >= 1, got 0"),
-    ("onestep", "decoder.max_length=0", "decoder.max_length must be an integer >= 1 (output "
-                                        "positions of the one decoder call, end token included), got 0"),
+    ("nar", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    ("onestep", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
     ("lookup", "decoder.draft_tokens=0",
      "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),
     ("lookup", "decoder.match=0",
@@ -404,7 +402,7 @@ def test_bad_value_fails_before_any_work(override, message, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("decoder,override,message", DECODER_BAD_VALUES)
 def test_the_constructor_refuses_the_same_values_in_the_same_words(decoder, override, message):
-    """One statement of the ranges (`option_ranges`): the constructor, for direct API users,
+    """One statement of the ranges (`Decoder.options`): the constructor, for direct API users,
     raises a ValueError with the configuration check's message."""
     options = {k: v for k, v in compose("keyphrase", decoder, None, TINY).decoder.items() if k != "name"}
     key, value = override.split("=")
@@ -446,12 +444,12 @@ def test_every_numeric_decoder_option_is_in_the_table():
     tested = {(decoder, override.split("=")[0][len("decoder."):])
               for decoder, override, _ in DECODER_BAD_VALUES}
     for name in available():
-        parameters = inspect.signature(decoder_class(name).__init__).parameters
-        # numeric by default, or by its declared range or choice (pipelined's max_steps: null
-        # by default; its stop_rule: a name)
-        numeric = {option for option, p in parameters.items()
-                   if isinstance(p.default, (int, float)) and not isinstance(p.default, bool)}
-        numeric |= set(decoder_class(name).option_ranges)
+        # numeric by default, or with declared allowed values (pipelined's max_steps: null by
+        # default; its stop_rule: a name)
+        options = decoder_class(name).options
+        numeric = {option for option, declared in options.items()
+                   if (isinstance(declared.default, (int, float)) and not isinstance(declared.default, bool))
+                   or declared.allowed is not None}
         assert numeric == {option for decoder, option in tested if decoder == name}, name
 
 

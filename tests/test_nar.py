@@ -30,7 +30,7 @@ def force_length(decoder, length):
     """Every example's predicted length is `length` (the length predictor's bias alone)."""
     with torch.no_grad():
         decoder.length_predictor.weight.zero_()
-        decoder.length_predictor.bias.copy_(torch.eye(decoder.max_length)[length - 1] * 10)
+        decoder.length_predictor.bias.copy_(torch.eye(decoder.max_new_tokens)[length - 1] * 10)
 
 
 def count_passes(decoder):
@@ -62,7 +62,7 @@ def test_passes_are_the_iterations_that_remask_something():
     (1, 4, 1), (2, 4, 3), (3, 4, 3), (4, 4, 4), (9, 4, 4), (2, 6, 4), (4, 6, 5), (5, 1, 1)])
 def test_iterations_that_remask_nothing_are_not_run(length, iterations, passes):
     model = tiny_t5(0)
-    decoder = make(model, iterations=iterations, max_length=12)
+    decoder = make(model, iterations=iterations, max_new_tokens=12)
     force_length(decoder, length)
     run = count_passes(decoder)
     out = decoder.generate(model, *random_batch(5, seed=3))
@@ -77,7 +77,7 @@ def test_example_calls_are_its_longest_candidates_passes(candidates):
     longest candidate (the top-k lengths, read here from the length predictor)."""
     model = tiny_t5(0)
     T = 6
-    decoder = make(model, iterations=T, length_candidates=candidates, max_length=6)
+    decoder = make(model, iterations=T, length_candidates=candidates, max_new_tokens=6)
 
     def own_calls(input_ids, attention_mask):
         scores = decoder.length_logits(encode(model, input_ids, attention_mask), attention_mask)
@@ -112,7 +112,7 @@ def test_calls_for_output_equals_decoding(iterations, monkeypatch):
             return F.one_hot(torch.tensor(flat), VOCAB).to(hidden.dtype).expand(
                 hidden.size(0), -1, -1) * 5.0                                        # (N, L, V)
         monkeypatch.setattr(nar, "output_logits", scripted)
-        decoder = make(model, iterations=iterations, max_length=12)
+        decoder = make(model, iterations=iterations, max_new_tokens=12)
         force_length(decoder, len(flat))
         run = count_passes(decoder)
         out = decoder.generate(model, *random_batch(3, seed=1))
@@ -125,14 +125,14 @@ def test_calls_for_output_with_several_candidates_is_none_where_the_model_decide
     """With k candidates the example also takes the passes of its longest one, a model-chosen
     length >= k (k distinct lengths): known when max(L, k) >= T, else model-dependent (None)."""
     model = tiny_t5(0)
-    three = make(model, iterations=4, length_candidates=3, max_length=12)
+    three = make(model, iterations=4, length_candidates=3, max_new_tokens=12)
     assert three.calls_for_output([[10, 11], [12]]) == 4                     # L = 5 >= T
     assert three.calls_for_output([[10], [12]]) == 4                         # L = 4
     assert three.calls_for_output([[10, 11]]) is None                        # L = 3, k = 3 < T
-    four = make(model, iterations=4, length_candidates=4, max_length=12)
+    four = make(model, iterations=4, length_candidates=4, max_new_tokens=12)
     assert four.calls_for_output([]) == 4                                    # some candidate is >= 4
-    # a reference longer than max_length is cut to it, as in training: 3 positions, 3 passes
-    short = make(model, iterations=4, max_length=3)
+    # a reference longer than max_new_tokens is cut to it, as in training: 3 positions, 3 passes
+    short = make(model, iterations=4, max_new_tokens=3)
     assert short.calls_for_output([[10, 11, 12, 13, 14]]) == 3
 
 
@@ -145,7 +145,7 @@ def test_host_syncs_do_not_grow_with_iterations():
     with torch.no_grad(), counting_sync_points() as encoder_only:
         encode(model, input_ids, attention_mask)
     for T in (1, 6):
-        decoder = make(model, iterations=T, length_candidates=2, max_length=12)
+        decoder = make(model, iterations=T, length_candidates=2, max_new_tokens=12)
         with counting_sync_points() as counter:
             out = decoder.generate(model, input_ids, attention_mask)
         assert out.batch_decoder_calls > 1 or T == 1
@@ -170,7 +170,7 @@ def test_confidences_are_bit_for_bit_todays_log_softmax(dtype, rows_per_block, m
     """Tokens and confidences of one pass equal those of a log-softmax over all logits at once,
     bit for bit in float32 too, whatever the blocks (5 rows: a shorter last block)."""
     model = tiny_t5(0)
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     args = one_pass(model)                                                          # N*W = 32
     with torch.no_grad():
         logits = output_logits(model, decoder.decoder_hidden(model, *args)).to(dtype)  # (N, W, V)
@@ -193,7 +193,7 @@ def test_one_vocabulary_sized_tensor_and_one_block_buffer_per_pass(monkeypatch):
     tensor, as big as the logits)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     model = tiny_t5(0)
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     args = one_pass(model)
     with torch.no_grad():
         hidden = decoder.decoder_hidden(model, *args)                      # (N, W, d_model)
@@ -224,9 +224,9 @@ def test_one_vocabulary_sized_tensor_and_one_block_buffer_per_pass(monkeypatch):
 
 def test_length_predictor_loss_and_prediction():
     model = tiny_t5(0)
-    max_length, known = 10, 7
-    decoder = make(model, max_length=max_length, iterations=2, length_loss_weight=0.5)
-    bias = torch.full((max_length,), -1.0)
+    max_new_tokens, known = 10, 7
+    decoder = make(model, max_new_tokens=max_new_tokens, iterations=2, length_loss_weight=0.5)
+    bias = torch.full((max_new_tokens,), -1.0)
     bias[known - 1] = 5.0                       # class k <-> length k + 1
     with torch.no_grad():
         decoder.length_predictor.weight.zero_()
@@ -240,14 +240,14 @@ def test_length_predictor_loss_and_prediction():
     layout = decoder.layout(targets)
     assert layout["lengths"].tolist() == [5, 2, 5]
     # hand-computed CE: every example has logits `bias`; the loss is logsumexp - logit of the truth
-    logsumexp = math.log(math.exp(5.0) + (max_length - 1) * math.exp(-1.0))
+    logsumexp = math.log(math.exp(5.0) + (max_new_tokens - 1) * math.exp(-1.0))
     expected_length_ce = sum(logsumexp - bias[length - 1].item() for length in (5, 2, 5)) / 3
     logits = decoder.length_logits(encode(model, input_ids, attention_mask), attention_mask)
     assert F.cross_entropy(logits, layout["lengths"] - 1).item() == pytest.approx(expected_length_ce)
 
     # total loss = token CE + weight * length CE: the same masking (same RNG state) without the
     # length term differs by exactly weight * the hand-computed CE
-    without = make(model, max_length=max_length, length_loss_weight=0.0)
+    without = make(model, max_new_tokens=max_new_tokens, length_loss_weight=0.0)
     without.load_state_dict(decoder.state_dict())
     torch.manual_seed(123)
     with_length = decoder.loss(model, input_ids, attention_mask, layout)
@@ -260,7 +260,7 @@ def test_hit_max_steps_means_cut_by_max_length():
     model = tiny_t5(0)
     with torch.no_grad():
         model.lm_head.weight[SPECIAL.eos] = 0.0  # logit 0: below the best of the other, random logits
-    decoder = make(model, max_length=6, iterations=2)
+    decoder = make(model, max_new_tokens=6, iterations=2)
     input_ids, attention_mask = random_batch(3, seed=4)
     for length, hit in ((5, False), (6, True)):
         with torch.no_grad():
@@ -272,7 +272,7 @@ def test_hit_max_steps_means_cut_by_max_length():
 
 def test_length_pooling_ignores_source_padding():
     model = tiny_t5(0)
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     input_ids, attention_mask = random_batch(4, seed=6)
     batched = decoder.length_logits(encode(model, input_ids, attention_mask), attention_mask)
     for i in range(4):
@@ -330,19 +330,19 @@ def test_training_mask_is_uniform_in_count_and_stays_inside_the_target():
 
 # -- 4. batching -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("candidates,iterations,max_length", [(1, 3, 12), (3, 3, 12), (1, 6, 6),
+@pytest.mark.parametrize("candidates,iterations,max_new_tokens", [(1, 3, 12), (3, 3, 12), (1, 6, 6),
                                                              (3, 6, 6)])
-def test_batch_equals_one_at_a_time(candidates, iterations, max_length):
+def test_batch_equals_one_at_a_time(candidates, iterations, max_new_tokens):
     model = tiny_t5(1)
     decoder = make(model, iterations=iterations, length_candidates=candidates,
-                   max_length=max_length)
+                   max_new_tokens=max_new_tokens)
 
     def varied(input_ids, attention_mask):
         """different source lengths, output lengths and, where lengths below T are likely,
         decoder calls"""
         out = decoder.generate(model, input_ids, attention_mask)
         return (len(set(attention_mask.sum(1).tolist())) >= 3 and len(set(out.tokens)) >= 2
-                and (max_length > iterations or len(set(out.decoder_calls)) >= 2))
+                and (max_new_tokens > iterations or len(set(out.decoder_calls)) >= 2))
     input_ids, attention_mask = first_batch_where(varied, 5, seed=3)
     assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
@@ -351,7 +351,7 @@ def test_batch_equals_one_at_a_time(candidates, iterations, max_length):
 
 def test_position_zero_sees_the_last_position():
     model = tiny_t5(0)
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     input_ids, attention_mask = random_batch(1, seed=2)
     states = encode(model, input_ids, attention_mask)
     width = 6
@@ -377,7 +377,7 @@ def test_all_mask_first_pass_tells_positions_apart():
     the same state whatever the relative bias (all value vectors are equal). The decoder's position
     embedding is what lets one-pass generation produce different tokens at different positions."""
     model = tiny_t5(0)
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     input_ids, attention_mask = random_batch(1, seed=2)
     states = encode(model, input_ids, attention_mask)
     masks = torch.full((1, 8), SPECIAL.mask)
@@ -403,7 +403,7 @@ def test_bidirectional_bias_uses_t5_bidirectional_buckets():
 
 def test_training_reduces_loss_on_a_tiny_batch():
     model = tiny_t5(0).train()
-    decoder = make(model, max_length=12)
+    decoder = make(model, max_new_tokens=12)
     input_ids, attention_mask = random_batch(4, max_len=8, seed=5)
     targets = [[[7, 8], [9, 10]], [[11]], [[12, 13, 14]], [[15], [16], [17]]]
     layout = decoder.layout(targets)
@@ -427,7 +427,7 @@ def test_training_reduces_loss_on_a_tiny_batch():
 
 
 def test_briefly_trained_decodes_something():
-    decoder = make(tiny_t5(0), max_length=16, iterations=4, length_candidates=2)
+    decoder = make(tiny_t5(0), max_new_tokens=16, iterations=4, length_candidates=2)
     model = briefly_trained(decoder)
 
     def writes(input_ids, attention_mask):
@@ -447,17 +447,17 @@ def test_layout_is_the_sequential_flat_target():
     assert layout["target"].tolist() == [[7, 8, SPECIAL.sep, 9, SPECIAL.eos],
                                          [10, SPECIAL.eos, 0, 0, 0], [SPECIAL.eos, 0, 0, 0, 0]]
     assert layout["lengths"].tolist() == [5, 2, 1]
-    short = make(tiny_t5(0), max_length=3).layout([[[7, 8], [9]]])   # cut to max_length
+    short = make(tiny_t5(0), max_new_tokens=3).layout([[[7, 8], [9]]])   # cut to max_new_tokens
     assert short["target"].tolist() == [[7, 8, SPECIAL.sep]] and short["lengths"].tolist() == [3]
 
 
 @pytest.mark.parametrize("options,needle", [
     ({"iterations": 0}, "decoder.iterations must be an integer >= 1, got 0"),
     ({"length_candidates": 0},
-     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_length (96), got 0"),
-    ({"length_candidates": 5, "max_length": 4}, "<= decoder.max_length (4), got 5"),
+     "decoder.length_candidates must be an integer >= 1 and <= decoder.max_new_tokens (96), got 0"),
+    ({"length_candidates": 5, "max_new_tokens": 4}, "<= decoder.max_new_tokens (4), got 5"),
     ({"length_loss_weight": -1.0}, "decoder.length_loss_weight must be a finite number >= 0, got -1.0"),
-    ({"max_length": 0}, "decoder.max_length must be an integer >= 1, got 0"),
+    ({"max_new_tokens": 0}, "decoder.max_new_tokens must be an integer >= 1, got 0"),
 ])
 def test_bad_options_fail_clearly(options, needle):
     with pytest.raises(ValueError) as err:
@@ -468,15 +468,16 @@ def test_bad_options_fail_clearly(options, needle):
 def test_config_options_and_family():
     cfg = compose("keyphrase", "nar", None, ["data.max_target_length=40", "decoder.iterations=2"])
     assert dict(cfg.decoder) == {"name": "nar", "iterations": 2, "length_candidates": 1,
-                                 "length_loss_weight": 0.1, "max_length": 40, "compile": False}
+                                 "length_loss_weight": 0.1, "max_new_tokens": 40, "compile": False}
     assert nar.MaskPredictDecoder.layout_family == "nar"
 
 
 def test_decode_options_change_nothing_trained():
     """iterations and length_candidates are generation-only: a decoder built with other values
     loads the trained decoder's weights (what tasks.compare does when sweeping them)."""
-    assert set(nar.MaskPredictDecoder.decode_options) == {"iterations", "length_candidates"}
-    trained = make(tiny_t5(0), max_length=12)
-    other = make(tiny_t5(0), seed=5, max_length=12, iterations=10, length_candidates=4)
+    assert set(nar.MaskPredictDecoder.decode_only_options()) == {"iterations", "length_candidates",
+                                                                  "compile"}
+    trained = make(tiny_t5(0), max_new_tokens=12)
+    other = make(tiny_t5(0), seed=5, max_new_tokens=12, iterations=10, length_candidates=4)
     other.load_state_dict(trained.state_dict())
     assert torch.equal(other.position_embedding.weight, trained.position_embedding.weight)

@@ -226,7 +226,7 @@ def test_decoding_equals_the_plain_reference(trained, delay, stop_rule, monkeypa
 
 
 # One bound each, tight enough to cut outputs of the trained models (decoding 6 slots of 6 tokens).
-BOUNDS = {"max_subsequences": 2, "max_subsequence_length": 2, "max_length": 5, "max_steps": 3}
+BOUNDS = {"max_subsequences": 2, "max_subsequence_length": 2, "max_new_tokens": 5, "max_steps": 3}
 
 
 @pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
@@ -501,4 +501,4 @@ def test_bad_stop_rule_is_a_one_line_config_error_naming_the_value_and_the_allow
         pipelined(tiny_t5(0), stop_rule="paper")
     assert str(err.value) == message
     assert compose("keyphrase", "pipelined").decoder.stop_rule == FIRST_EMPTY
-    assert "stop_rule" in decoder_class("pipelined").decode_options  # swept without retraining
+    assert "stop_rule" in decoder_class("pipelined").decode_only_options()  # swept without retraining

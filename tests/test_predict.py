@@ -327,6 +327,31 @@ def test_the_python_api_takes_decoding_overrides(checkpoints):
     assert Predictor.from_checkpoint(sequential.path, decoder="lookup").module.decoder.name == "lookup"
 
 
+@pytest.mark.parametrize("decoder", ["pipelined", "nar"])
+def test_a_checkpoint_storing_a_former_option_name_decodes_as_under_the_name_now(
+        decoder, checkpoints, tmp_path, caplog):
+    """Checkpoints written before the output bound was `max_new_tokens` everywhere store it as
+    `decoder.max_length` (pipelined, nar, onestep): they load under the new name, with its stored
+    value, and decode exactly as the same checkpoint stating the new name."""
+    model = checkpoints("keyphrase", decoder)
+    records = without_target(model.records, "keyphrase")[:6]
+    checkpoint = load_checkpoint(model.path)
+    stored = checkpoint["hyper_parameters"]["cfg"]["decoder"]
+    bound = stored["max_new_tokens"] if decoder == "nar" else 5  # nar's bound shapes its weights
+    paths = {}
+    for name in ("max_new_tokens", "max_length"):
+        options = {k: v for k, v in stored.items() if k != "max_new_tokens"}
+        checkpoint["hyper_parameters"]["cfg"]["decoder"] = {**options, name: bound}
+        paths[name] = str(tmp_path / f"{name}.ckpt")
+        torch.save(checkpoint, paths[name])
+    with caplog.at_level("WARNING", logger="tasks"):
+        former = Predictor.from_checkpoint(paths["max_length"])
+        predicted = former.predict(records)
+    assert former.module.decoder.max_new_tokens == bound
+    assert "decoder.max_length, which is now decoder.max_new_tokens" in caplog.text
+    assert predicted == Predictor.from_checkpoint(paths["max_new_tokens"]).predict(records)
+
+
 def test_the_python_api_refuses_bad_settings_and_records(checkpoints, tmp_path):
     model = checkpoints("keyphrase")
     with pytest.raises(ConfigError, match="no such checkpoint file"):

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.p
 TARGETS = [[[5, 6], [7]], [[8]], [[9, 10, 11], [12, 13]], [[14]]]  # -100-padded to different widths
 
 
-def onestep(model, max_length=12):
-    return build_decoder("onestep", model.config, SPECIAL, max_length=max_length)
+def onestep(model, max_new_tokens=12):
+    return build_decoder("onestep", model.config, SPECIAL, max_new_tokens=max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_loss_is_cross_entropy_of_t5s_own_forward_on_the_proto_tokens():
 
 def test_a_position_sees_only_earlier_proto_tokens():
     """Causal: the first 5 positions' logits are the same whether the call has 5 or 12 positions,
-    so `max_length` only cuts the output."""
+    so `max_new_tokens` only cuts the output."""
     model = tiny_t5(1)
     decoder = onestep(model)
     input_ids, attention_mask = random_batch(3, seed=5)
@@ -166,12 +166,12 @@ def test_checkpoint_compatibility():
 def test_options():
     from tasks.config import compose
     cfg = compose(task="keyphrase", decoder="onestep")
-    assert dict(cfg.decoder) == {"name": "onestep", "max_length": cfg.data.max_target_length,
+    assert dict(cfg.decoder) == {"name": "onestep", "max_new_tokens": cfg.data.max_target_length,
                                  "compile": False}
-    assert decoder_class("onestep").decode_options == ("max_length",)
+    assert decoder_class("onestep").decode_only_options() == ("max_new_tokens", "compile")
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=rf"decoder\.max_length must be an integer >= 1.*got {bad!r}"):
-            onestep(tiny_t5(0), max_length=bad)
+        with pytest.raises(ValueError, match=rf"decoder\.max_new_tokens must be an integer >= 1.*got {bad!r}"):
+            onestep(tiny_t5(0), max_new_tokens=bad)
 
 
 # ---- the reconstruction experiment --------------------------------------------------------------

@@ -7,7 +7,6 @@ the same inputs go to every decoder.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Callable, ContextManager
 
@@ -59,8 +58,7 @@ def replace_backbone_calls(replacements: dict[str, Callable]) -> None:
 
 def bounded(name: str, steps: int) -> dict:
     """Every length/step bound of decoder `name` set to `steps` (its `max_*` options)."""
-    return {key: steps for key in inspect.signature(decoder_class(name)).parameters
-            if key.startswith("max_")}
+    return {key: steps for key in decoder_class(name).options if key.startswith("max_")}
 
 
 def with_drafter(decoder, model):
@@ -69,7 +67,7 @@ def with_drafter(decoder, model):
     if isinstance(decoder, AggressiveDecoder):
         drafter_model = tiny_random_t5(model.config.vocab_size, seed=1).to(model.dtype)
         drafter = build_decoder("nar", drafter_model.config, decoder.special,
-                                max_length=decoder.max_new_tokens).to(model.dtype).eval()
+                                max_new_tokens=decoder.max_new_tokens).to(model.dtype).eval()
         decoder.attach_drafter(drafter, drafter_model)
     return decoder
 

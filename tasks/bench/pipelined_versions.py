@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
+from decoders.base import RENAMED_OPTIONS
 from tasks.comparison.measure import device_batches
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.timing import time_decoders
@@ -47,10 +48,13 @@ with tempfile.TemporaryDirectory() as folder:
 built = {name: restore_as_trained(ckpt) for name, ckpt in parse_checkpoints(args.checkpoints).items()}
 sequential, pipelined = built["sequential"].module.eval(), built["pipelined"].module.eval()
 now = pipelined.decoder
+# the output bound under the name it had at REV (`decoders.base.RENAMED_OPTIONS`)
+bound_name = "max_new_tokens" if "max_new_tokens" in getattr(then.PipelinedDecoder, "options", {}) \
+    else next(old for old, new in RENAMED_OPTIONS.items() if new == "max_new_tokens")
 old = then.PipelinedDecoder(pipelined.backbone.config, now.special, delay=now.delay,
                             max_subsequences=now.max_subsequences,
                             max_subsequence_length=now.max_subsequence_length,
-                            max_length=now.max_length, stop_rule=now.stop_rule)
+                            stop_rule=now.stop_rule, **{bound_name: now.max_new_tokens})
 old_name = f"pipelined at {args.rev}"
 modules = {"sequential": sequential, old_name: SimpleNamespace(decoder=old, backbone=pipelined.backbone),
            "pipelined now": pipelined}
