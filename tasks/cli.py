@@ -57,8 +57,27 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+# `--resume` given without an id: the latest unfinished run (fit) or comparison (compare)
+LATEST = object()
+
+
+def add_resume_argument(parser: argparse.ArgumentParser, metavar: str, help: str) -> None:
+    parser.add_argument("--resume", nargs="?", const=LATEST, metavar=metavar, help=help)
+
+
+def parse_with_resume(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments, key=value overrides anywhere among them; `--resume key=value` is
+    `--resume` (the latest) and that override, since ids never hold '='."""
+    args = parser.parse_intermixed_args(argv)
+    if isinstance(args.resume, str) and "=" in args.resume:
+        args.overrides.append(args.resume)
+        args.resume = LATEST
+    return args
+
+
 def main_guard(main) -> None:
-    """Run an entry point; user errors become one clear line on stderr and exit code 2."""
+    """Run an entry point; user errors become one clear line on stderr and exit code 2, Ctrl-C
+    the line "interrupted" and exit code 130 (the shell's), without a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if rank_zero_only.rank != 0:  # other DDP processes would repeat rank 0's (whole-split) lines
         logging.getLogger().setLevel(logging.ERROR)
@@ -68,6 +87,9 @@ def main_guard(main) -> None:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: what was interrupted has said so (its runs are KILLED)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except BrokenPipeError:  # the reader of our output (`| head`) closed it: nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         sys.exit(1)

@@ -2,7 +2,7 @@
 
     python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar \\
         [--out FILE.json] [--ckpt NAME=PATH ...] [--sweep decoder.delay=1,2,3] \\
-        [--backbone from-sequential|own] [key=value ...]
+        [--backbone from-sequential|own] [--resume [COMPARISON_ID]] [key=value ...]
 
 Each decoder is trained (or loaded with --ckpt) and its test split decoded and scored as its own
 MLflow run. With sequential among the decoders, a decoder that can build on a trained sequential
@@ -42,12 +42,23 @@ under it (`mlflow.parentRunId`), all tagged with one comparison id. It holds the
 the plots as artifacts, the conditions of the timing as parameters, and per row (`<label>/...`) the
 shown quality, the speedups and the decoder calls per example as metrics, and per baseline
 (`baseline_constant/...`) its shown quality. A failure or Ctrl-C
-anywhere marks it FAILED or KILLED. Links to it and to the rows side by side in the MLflow UI are
-printed at the end.
+anywhere marks it FAILED or KILLED, and prints the command that goes on with it. Links to it and to
+the rows side by side in the MLflow UI are printed at the end, after one line per row with its wall
+time.
+
+An interrupted comparison goes on with the same command and `--resume` (the latest unfinished
+comparison of the same plan) or `--resume COMPARISON_ID`, in the same comparison run
+(`tasks.comparison.resume`): a finished row is reused (its tested checkpoint decodes the test split
+again, nothing is trained), an interrupted fit goes on from its `last.ckpt` in its own run, as
+`tasks.fit --resume` does, and the rows not started are fitted; speed is then measured for all rows
+together. A plan that differs (task, decoders, data, training options) is refused, naming the keys
+that differ. Without `--resume`, an interrupted comparison of the same plan is pointed to in one
+line. One line per row says where the comparison stands as the row starts.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -61,16 +72,20 @@ from decoders import build_decoder, decoder_class
 from tasks.baselines import scored_baselines
 from tasks.comparison.measure import measure_speed
 from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, check_drafters, on_sequential,
-                                   parse_checkpoints, parse_decoders, parse_sweeps, plan,
+                                   parse_checkpoints, parse_decoders, parse_sweeps, plan, row_label,
                                    training_key, training_label, user_sets)
+from tasks.comparison.resume import (PLAN_FILE, Attempt, Resumed, abandon, comparison_runs,
+                                     find_comparison, plan_digest, plan_record, resumable_fit)
 from tasks.comparison.report import markdown, plots, report, summary_metrics
 from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
-from tasks.cli import base_parser, log, main_guard, write_report
-from tasks.runs.checkpoints import load_checkpoint
-from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, nested_under,
-                                 open_tracking, run_link, run_status)
-from tasks.runs.trainer import Built, decode_target, decoder_options, score_into_run, train_and_test
+from tasks.cli import (LATEST, add_resume_argument, base_parser, command_line, log, main_guard,
+                       parse_with_resume, write_report)
+from tasks.runs.checkpoints import last_checkpoint, load_checkpoint
+from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, default_run_name,
+                                 nested_under, open_tracking, reopen_run, run_link, run_status)
+from tasks.runs.trainer import (Built, decode_target, decoder_options, make_trainer, score_into_run,
+                                train_and_test)
 from tasks.runs.restore import attach_drafter, restore, tokenizer_identity
 
 # `plan`'s rows: each one's resolved configuration and the decoder options its sweep set.
@@ -96,7 +111,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speed-examples", type=int, default=None,
                         help="time on the first N test examples (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    return parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
+    add_resume_argument(parser, "COMPARISON_ID",
+                        "go on with the latest unfinished comparison of this plan (or with "
+                        "comparison COMPARISON_ID): finished rows are reused, an interrupted fit goes "
+                        "on from its last checkpoint, the rest are fitted")
+    return parse_with_resume(parser, argv)  # key=value overrides may come anywhere
 
 
 def plan_rows(args: argparse.Namespace) -> tuple[PlannedRows, list[bool], dict[str, str]]:
@@ -151,11 +170,27 @@ def check_drafter(drafter: dict, drafter_path: str, verifier: dict, verifier_pat
                           f"verifier must share one")
 
 
-def score_row(cfg: DictConfig, built, tags: dict, callbacks: list) -> Row:
-    """Decode and score the test split with an already-trained module, as a new MLflow run."""
+def score_row(cfg: DictConfig, built, tags: dict, callbacks: list,
+              attempt: Attempt | None = None) -> Row:
+    """Decode and score the test split with an already-trained module, as a new MLflow run; a row
+    that finished before the comparison was interrupted (`attempt`) keeps its run (`reused_row`)."""
+    if attempt is not None and attempt.finished:
+        return reused_row(cfg, built, attempt, callbacks)
+    abandon(cfg, attempt, "interrupted while scoring; scored again in the resumed comparison")
     logger = open_tracking(cfg, f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}", tags=tags)
     score_into_run(logger, cfg, built, callbacks=callbacks)
     return Row(cfg, built.module, built.datamodule, logger)
+
+
+def reused_row(cfg: DictConfig, built, attempt: Attempt, callbacks: list) -> Row:
+    """A row that finished before its comparison was interrupted, in its own run: its model's test
+    split decoded again here (nothing trained, nothing logged), for the table and the timing."""
+    logger = open_tracking(cfg, default_run_name(cfg), run_id=attempt.run_id)
+    make_trainer(cfg, None, callbacks=callbacks).test(built.module, datamodule=built.datamodule,
+                                                      verbose=False)
+    row = Row(cfg, built.module, built.datamodule, logger)
+    row.fit_seconds = attempt.fit_seconds
+    return row
 
 
 def with_decoder(cfg: DictConfig, trained: Built, checkpoint: str) -> Built:
@@ -172,17 +207,22 @@ def with_decoder(cfg: DictConfig, trained: Built, checkpoint: str) -> Built:
 
 
 def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, str],
-             loaded: dict[str, dict], tags: dict, callbacks: list) -> list[Row]:
+             loaded: dict[str, dict], tags: dict, callbacks: list,
+             attempts: dict[int, Attempt]) -> list[Row]:
     """Each row trained (or its model loaded from --ckpt, or shared with an earlier row that differs
-    only in decode-time options), then tested as its own MLflow run with `tags`, in the plan's
-    order; `callbacks` join every trainer's."""
+    only in decode-time options), then tested as its own MLflow run with `tags` and its place in the
+    plan (`row_index`), in the plan's order; `callbacks` join every trainer's. Of a comparison taken
+    up again, the rows' earlier `attempts` (by place): a finished row is reused with its tested
+    checkpoint, an interrupted fit goes on from its last checkpoint in its own run."""
     trained: dict[str, tuple[Built, str]] = {}  # training key -> the model and its checkpoint
     first: dict[str, tuple[Built, str]] = {}    # decoder -> its first row's model and checkpoint
     rows: list[Row | None] = [None] * len(planned)
     # the rows that start from the sequential row's checkpoint after it, and those that draft with
     # another row's model after that row; the table keeps the plan's order
     drafts = [decoder_class(cfg.decoder.name).drafts_with is not None for cfg, _ in planned]
-    for index in sorted(range(len(planned)), key=lambda i: (starts[i], drafts[i])):
+    order = sorted(range(len(planned)), key=lambda i: (starts[i], drafts[i]))
+    for place, index in enumerate(order, start=1):
+        started = time.perf_counter()
         cfg, swept = planned[index]
         name = cfg.decoder.name
         if starts[index]:
@@ -190,19 +230,29 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
         if drafts[index]:
             cfg.decoder.drafter = first[decoder_class(name).drafts_with][1]
         training = training_label(cfg, starts[index], name in checkpoints)
-        row_tags = {**tags, "training": training}
+        row_tags = {**tags, "training": training, "row_index": str(index)}
+        attempt = attempts.get(index)
         key = training_key(cfg)
+        log.info("row %d of %d: %s (%s)%s", place, len(planned), row_label(cfg, swept), training,
+                 attempt_note(cfg, attempt))
         if key in trained:
-            row = score_row(cfg, with_decoder(cfg, *trained[key]), row_tags, callbacks)
+            row = score_row(cfg, with_decoder(cfg, *trained[key]), row_tags, callbacks, attempt)
         elif name in checkpoints:
             trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
             row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
-                            callbacks)
+                            callbacks, attempt)
         elif decoder_class(name).trains_nothing:  # the sequential row's model, as it is
-            row = score_row(cfg, with_decoder(cfg, *first["sequential"]), row_tags, callbacks)
+            row = score_row(cfg, with_decoder(cfg, *first["sequential"]), row_tags, callbacks, attempt)
+        elif attempt is not None and attempt.finished:  # trained before: its tested checkpoint
+            tested = attempt.tags["tested_checkpoint"]
+            trained[key] = restore(load_checkpoint(tested), tested, cfg), tested
+            row = reused_row(cfg, trained[key][0], attempt, callbacks)
         else:
-            log.info("training %s (%s)", name, training)
-            result = train_and_test(cfg, tags=row_tags, callbacks=callbacks)
+            resume = resumable_fit(cfg, attempt)
+            if resume is None:
+                abandon(cfg, attempt, "interrupted before its first checkpoint; fitted again in "
+                                      "the resumed comparison")
+            result = train_and_test(cfg, tags=row_tags, resume=resume, callbacks=callbacks)
             trained[key] = result.built, result.checkpoint
             row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
             row.fit_seconds = result.fit_seconds
@@ -212,8 +262,20 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
         row.training = training
         row.quality = dict(row.module.quality_scores)
         row.telemetry = dict(row.module.test_scores)
+        row.wall_seconds = time.perf_counter() - started
         rows[index] = row
     return rows
+
+
+def attempt_note(cfg: DictConfig, attempt: Attempt | None) -> str:
+    """What the progress line says of a row's earlier attempt, in a comparison taken up again."""
+    if attempt is None:
+        return ""
+    if attempt.finished:
+        return f": finished in run {attempt.run_id}, reused"
+    if last_checkpoint(cfg, attempt.run_id).is_file():
+        return f": interrupted in run {attempt.run_id}, goes on from its last checkpoint"
+    return f": interrupted in run {attempt.run_id} before any checkpoint, done again"
 
 
 def log_speeds(rows: list[Row], result: dict, conditions: dict) -> None:
@@ -255,32 +317,81 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = planned[0][0]
     target = decode_target(cfg)
     check_tracking(cfg)
+    record = plan_record(planned, [row_label(c, swept) for c, swept in planned], starts, checkpoints)
+    resumed = None
+    if args.resume is not None:
+        resumed = find_comparison(cfg, record, None if args.resume is LATEST else args.resume)
+    else:
+        point_to_unfinished(cfg, record)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    comparison_id = uuid.uuid4().hex[:12]
-    comparison = open_tracking(cfg, f"comparison {comparison_id}",
-                               tags={"comparison_id": comparison_id, "role": "comparison"})
+    comparison, comparison_id = open_comparison(cfg, record, resumed)
     # Lightning turns Ctrl-C into SystemExit: the rows' trainers tell the comparison what they saw
     watcher = ExceptionWatcher()
-    with run_status(comparison, watcher):
-        tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
-        rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher])
-        timing = measure_speed(rows, target, cfg.eval.batch_size, args.repeats, args.speed_examples)
-        # on the rows' test split, through their tokenizer and data limits (the first row's data)
-        baselines = [entry for entry, _ in scored_baselines(cfg, rows[0].datamodule)]
-        result = report(rows, cfg, torch.get_num_threads(), timing, baselines)
-        conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
-        log_speeds(rows, result, conditions)
-        table, written = write_results(args.out, rows, result)
-        log_comparison(comparison, result, conditions, written)
+    try:
+        with run_status(comparison, watcher):
+            tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
+            rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher],
+                            attempts=resumed.attempts if resumed else {})
+            timing = measure_speed(rows, target, cfg.eval.batch_size, args.repeats, args.speed_examples)
+            # on the rows' test split, through their tokenizer and data limits (the first row's data)
+            baselines = [entry for entry, _ in scored_baselines(cfg, rows[0].datamodule)]
+            result = report(rows, cfg, torch.get_num_threads(), timing, baselines)
+            conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
+            log_speeds(rows, result, conditions)
+            table, written = write_results(args.out, rows, result)
+            log_comparison(comparison, result, conditions, written)
+    except BaseException:
+        log.error("comparison %s was interrupted; its finished rows are kept, and an interrupted fit "
+                  "goes on from its last checkpoint. Go on with:\n  %s", comparison_id,
+                  resume_command(argv, comparison_id))
+        raise
     comparison.finalize("success")
     print(table)
+    for row in rows:
+        print(f"{row.label}: {row.wall_seconds:.1f}s wall time ({row.training})")
     print(f"wrote {', '.join(map(str, written))}; comparison id {comparison_id}; total wall time "
           f"{time.perf_counter() - started:.1f}s")
     print(f"MLflow comparison run: {run_link(cfg, comparison)}")
     print(f"its rows side by side: {compare_runs_link(cfg, [row.logger for row in rows])}")
     return result
+
+
+def open_comparison(cfg: DictConfig, record: dict,
+                    resumed: Resumed | None) -> tuple[MLFlowLogger, str]:
+    """The comparison's run and id: a new one, created before any row is fitted and holding its
+    plan (`plan.json`, the `plan_digest` tag), or the run of the comparison taken up again."""
+    if resumed is not None:
+        comparison = open_tracking(cfg, f"comparison {resumed.comparison_id}", run_id=resumed.run_id)
+        reopen_run(comparison, resumed="true")
+        return comparison, resumed.comparison_id
+    comparison_id = uuid.uuid4().hex[:12]
+    comparison = open_tracking(cfg, f"comparison {comparison_id}",
+                               tags={"comparison_id": comparison_id, "role": "comparison",
+                                     "plan_digest": plan_digest(record)})
+    comparison.experiment.log_dict(comparison.run_id, record, PLAN_FILE)
+    return comparison, comparison_id
+
+
+def point_to_unfinished(cfg: DictConfig, record: dict) -> None:
+    """One line when an interrupted comparison of the same plan exists: `--resume` goes on with it."""
+    unfinished = comparison_runs(cfg, unfinished=True, digest=plan_digest(record))
+    if unfinished:
+        run = unfinished[0]
+        log.warning("comparison %s of this plan was interrupted (%s): add --resume to go on with it "
+                    "instead of starting this new one", run.data.tags.get("comparison_id"),
+                    run.info.status)
+
+
+def resume_command(argv: list[str] | None, comparison_id: str) -> str:
+    """The command that takes comparison `comparison_id` up again: this one, with `--resume ID`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--resume" in args:
+        at = args.index("--resume")
+        del args[at: at + (2 if at + 1 < len(args) and not args[at + 1].startswith("-")
+                           and "=" not in args[at + 1] else 1)]
+    return command_line("tasks.compare", [*args, "--resume", comparison_id])
 
 
 if __name__ == "__main__":

@@ -12,26 +12,19 @@ from __future__ import annotations
 import time
 
 from tasks.config import compose, to_yaml
-from tasks.cli import base_parser, log, main_guard
+from tasks.cli import LATEST, add_resume_argument, base_parser, log, main_guard, parse_with_resume
 from tasks.runs.checkpoints import find_resumable
 from tasks.runs.tracking import experiment_name, run_link
 from tasks.runs.trainer import check_something_to_train, train_and_test
-
-LATEST = object()  # `--resume` without a run id
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--task", help="keyphrase, qa or summarization (default: keyphrase)")
     parser.add_argument("--decoder", help="a registered decoder name (default: sequential)")
-    parser.add_argument("--resume", nargs="?", const=LATEST, metavar="RUN_ID",
-                        help="go on with the latest unfinished run of this configuration "
-                             "(or with run RUN_ID) from its last checkpoint")
-    args = parser.parse_intermixed_args(argv)  # key=value overrides may come anywhere
-    if isinstance(args.resume, str) and "=" in args.resume:
-        # `--resume key=value`: argparse took an override for the run id (run ids have no '=')
-        args.overrides.append(args.resume)
-        args.resume = LATEST
+    add_resume_argument(parser, "RUN_ID", "go on with the latest unfinished run of this "
+                                          "configuration (or with run RUN_ID) from its last checkpoint")
+    args = parse_with_resume(parser, argv)
     cfg = compose(args.task, args.decoder, args.config, args.overrides)
     check_something_to_train(cfg)  # before a resumable run is looked for
     if args.print_config:

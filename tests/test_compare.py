@@ -333,7 +333,7 @@ def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_pat
     lookup: no fit of its own, no trained weights, and sequential's predictions exactly."""
     fitted = []
 
-    def tested_untrained(cfg, tags=None, callbacks=()):
+    def tested_untrained(cfg, tags=None, resume=None, callbacks=()):
         fitted.append(cfg.decoder.name)
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
@@ -675,7 +675,7 @@ def runtime_error(callbacks):
     (lightning_ctrl_c, "KILLED", "KeyboardInterrupt")])
 def test_a_failure_mid_comparison_marks_the_comparison_run(failure, status, error, tmp_path,
                                                            monkeypatch):
-    def failing_row(cfg, tags=None, callbacks=()):
+    def failing_row(cfg, tags=None, resume=None, callbacks=()):
         logger = open_tracking(cfg, "failing row", tags=tags)
         watcher = ExceptionWatcher()
         with run_status(logger, watcher):

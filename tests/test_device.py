@@ -50,7 +50,7 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
     """`tasks.compare.main` for one sequential row whose random-init model is tested by a Lightning
     trainer, as a trained one would be, instead of trained: the timing starts after the test's
     teardown, which leaves the module on the CPU."""
-    def tested_untrained(cfg, tags=None, callbacks=()):
+    def tested_untrained(cfg, tags=None, resume=None, callbacks=()):
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
         score_into_run(logger, cfg, built, callbacks)

@@ -29,6 +29,7 @@ class Row:
     swept: list[str] = field(default_factory=list)         # options this row's sweep set
     training: str = "own"                                  # `training_label`
     fit_seconds: float | None = None                       # its training here (None: --ckpt, shared)
+    wall_seconds: float | None = None                      # its training and test in this process
 
     @property
     def options(self) -> dict:

@@ -124,6 +124,11 @@ class Resume:
     stored: StoredModel  # the run's own tokenizer and architecture, not trained or loaded again
 
 
+def last_checkpoint(cfg: DictConfig, run_id: str) -> Path:
+    """Where a fit's run keeps the checkpoint of its latest finished epoch, what a resume takes up."""
+    return run_folder(cfg, run_id) / "checkpoints" / "last.ckpt"
+
+
 def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
     """The run `run_id`, or the latest unfinished run of the experiment, with its last checkpoint;
     refused when that checkpoint was trained with another configuration than `cfg`."""
@@ -144,7 +149,7 @@ def find_resumable(cfg: DictConfig, run_id: str | None) -> Resume:
             [experiment.experiment_id], filter_string="attributes.status != 'FINISHED'",
             order_by=["attributes.start_time DESC"])
     for run in candidates:
-        last = run_folder(cfg, run.info.run_id) / "checkpoints" / "last.ckpt"
+        last = last_checkpoint(cfg, run.info.run_id)
         if last.is_file():
             break
     else:

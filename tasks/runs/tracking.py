@@ -222,6 +222,21 @@ def run_status(logger: MLFlowLogger, watcher: ExceptionWatcher):
         raise
 
 
+@rank_zero_only
+def reopen_run(logger: MLFlowLogger, **tags: str) -> None:
+    """An interrupted run taken up again (a resumed fit, a resumed comparison): RUNNING once more,
+    with `tags` saying from what, and its former `error` tag kept as `error_before_resume`, a name
+    that does not say the run is failing now."""
+    client, run_id = logger.experiment, logger.run_id
+    client.update_run(run_id, status="RUNNING")
+    for name, value in tags.items():
+        client.set_tag(run_id, name, value)
+    error = client.get_run(run_id).data.tags.get("error")
+    if error is not None:
+        client.set_tag(run_id, "error_before_resume", error)
+        client.delete_tag(run_id, "error")
+
+
 # Where `mlflow ui` serves a local store unless told otherwise.
 LOCAL_UI = "http://127.0.0.1:5000"
 

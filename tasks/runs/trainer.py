@@ -26,7 +26,7 @@ from tasks.module import TASK_MODULES, GenerationTask
 from tasks.runs.checkpoints import (BestCheckpoint, Resume, SafeCheckpointIO, StoredModel,
                                     initial_weights)
 from tasks.runs.tracking import (ExceptionWatcher, default_run_name, log_artifacts, log_params,
-                                 open_tracking, run_folder, run_status)
+                                 open_tracking, reopen_run, run_folder, run_status)
 
 
 @dataclass
@@ -195,14 +195,8 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
     watcher = ExceptionWatcher()
     # From here on the run exists: any failure, a trainer that cannot be built included, marks it
     with run_status(logger, watcher):
-        if resume is not None and rank_zero_only.rank == 0:
-            client = logger.experiment
-            client.update_run(run_id, status="RUNNING")
-            client.set_tag(run_id, "resumed_from", resume.checkpoint)
-            error = client.get_run(run_id).data.tags.get("error")
-            if error is not None:  # kept, under a name that does not say the run is failing now
-                client.set_tag(run_id, "error_before_resume", error)
-                client.delete_tag(run_id, "error")
+        if resume is not None:
+            reopen_run(logger, resumed_from=resume.checkpoint)
         log_params(logger, cfg, built.datamodule, SPLITS)
         folder = run_folder(cfg, run_id) / "checkpoints" if run_id else None
         best_checkpoint = BestCheckpoint(dirpath=folder, filename="epoch{epoch}-step{step}",
