@@ -16,7 +16,10 @@ Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end toke
 `max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end,
 with whatever the drafter needs on the host (`after_call`: aggressive's re-draft decision); the host
 decides from them which rows are done and drops them (`LiveRows`), and only then are the rows that go
-on drafted for the next call. A row that goes on kept its whole accepted prefix plus one, so its new
+on drafted for the next call. A drafter that needs nothing on the host (lookup, blockwise) drafts
+every live row before the sync instead, and the sync also reads how many tokens each draft offers:
+the next call feeds only as many columns as the longest offer needs (one, the model's own token,
+when no row offers anything), so a draft that offers nothing costs no wider call. A row that goes on kept its whole accepted prefix plus one, so its new
 count is n_r + accepted + 1, computed on the device.
 
 Cache (`RowSlots`). Every row's self-attention keys and values sit at slot = position, in a buffer
@@ -131,13 +134,13 @@ def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
 @functools.lru_cache(maxsize=16)
 def call_index_tables(k: int, most_slots: int, device: torch.device):
     """Index tables of a decode, made once per shape (they hold no weights): for a call of Q fed
-    tokens (1 at the first call, k after), each token's fed index (Q,), fed index - slot
+    tokens (1 at the first call, up to k after), each token's fed index (Q,), fed index - slot
     (Q, most_slots) (the distances, once a row's count is added) and Q itself (0-dim: "no end
     token among them")."""
     fed_offset = torch.arange(k, device=device)
     query_minus_slot = fed_offset[:, None] - torch.arange(most_slots, device=device)
     return {q: (fed_offset[:q], query_minus_slot[:q], torch.tensor(q, device=device))
-            for q in (1, k)}
+            for q in range(1, k + 1)}
 
 
 @dataclass
@@ -189,10 +192,11 @@ class DraftAndVerifyDecoder(Decoder):
     @abc.abstractmethod
     def draft(self, model, state: Any, verified: Verified,
               host: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next call's drafts for the rows that go on (`verified` holds only those; `host`, the
-        same rows' columns of what `after_call` returned, as j lists): (live, m) tokens, and (live,)
-        how many of them are offered (the rest are filler that is never accepted), or None when all
-        m are."""
+        """The next call's drafts for the rows of `verified`: (live, m) tokens, and (live,) how many
+        of them are offered (the rest are filler that is never accepted), or None when all m are.
+        `host` holds those rows' columns of what `after_call` returned, as j lists; a drafter whose
+        `after_call` returns None gets None, and is asked before the call's sync, for every row of
+        the call (those that end then included)."""
         raise NotImplementedError
 
     def draft_counters(self, state: Any) -> dict[str, torch.Tensor]:
@@ -249,7 +253,7 @@ class DraftAndVerifyDecoder(Decoder):
 
             logits = output_logits(model, hidden)                    # (live, Q, V)
             greedy = logits.argmax(-1)                               # (live, Q): the token after each
-            if drafts is None:
+            if drafts is None or drafts.size(1) == 0:   # the first call, or nothing offered
                 accepted = torch.zeros_like(count)
                 tokens = greedy
             elif self.top_k == 1:
@@ -269,11 +273,20 @@ class DraftAndVerifyDecoder(Decoder):
             last_hidden = hidden[row_index, accepted]                # (live, d_model)
             needs = self.after_call(drafts_state, Verified(last_hidden, next_token, count, accepted,
                                                            offered, origin, produced))
-
-            # the one host sync of the call, the drafter's needs included
-            settled = torch.stack([accepted, first_end])             # (2, live)
-            accepted_host, first_end_host, *needs_host = rows.read(
-                settled if needs is None else torch.cat([settled, needs]))
+            # A drafter that needs nothing from the host drafts every live row before the sync, which
+            # then also reads how far the drafts reach: the next call feeds no column that no row
+            # offers a token in (on keyphrases and answers, whose first token follows a separator the
+            # source lacks, lookup often offers nothing, and a call then feeds one token per row).
+            early = None if needs is not None else self.draft(
+                model, drafts_state, Verified(last_hidden, next_token, count, accepted, offered,
+                                              origin, produced), None)
+            settled = [accepted, first_end]
+            if needs is not None:
+                settled += list(needs)
+            elif early[1] is not None:
+                settled.append(early[1])
+            # the one host sync of the call, the drafter's needs (or its drafts' reach) included
+            accepted_host, first_end_host, *more_host = rows.read(torch.stack(settled))
             done = []
             for b, example in enumerate(originals):
                 kept, ended = kept_tokens(accepted_host[b], first_end_host[b], bound - counts[b])
@@ -281,8 +294,10 @@ class DraftAndVerifyDecoder(Decoder):
                 done.append(ended or counts[b] >= bound)
                 if done[-1]:
                     final_counts[example], calls[example] = counts[b], batch_calls
+            carried = [] if early is None else [early[0], *([] if early[1] is None else [early[1]])]
             kept_rows = rows.drop(done, cache, encoder_states, cross_mask, count, origin, next_token,
-                                  last_hidden, accepted, *([] if offered is None else [offered]))
+                                  last_hidden, accepted, *carried,
+                                  *([] if offered is None else [offered]))
             if kept_rows is None:
                 break
             encoder_states, cross_mask, count, origin, next_token, last_hidden, accepted, *rest = kept_rows
@@ -291,13 +306,20 @@ class DraftAndVerifyDecoder(Decoder):
             if len(rows.kept) < len(done):
                 row_index = row_index[: len(rows.kept)]
                 writes.rows = row_index[:, None]
-            # drafted after the sync, for the rows that go on only, with the host values they need
-            verified = Verified(last_hidden, next_token, count, accepted, rest[0] if rest else None,
-                                origin, produced)
-            drafts, offered = self.draft(model, drafts_state, verified,
-                                         [[column[b] for b in rows.kept] for column in needs_host]
-                                         if needs is not None else None)
-            fed = torch.cat([next_token, drafts], dim=1)             # (live, k)
+            if early is not None:
+                drafts, *rest = rest
+                if early[1] is None:   # every draft token offered
+                    offered = None
+                else:
+                    offered, *rest = rest
+                    drafts = drafts[:, : max(more_host[0][b] for b in rows.kept)]
+            else:
+                # drafted after the sync, for the rows that go on only, with the host values they need
+                verified = Verified(last_hidden, next_token, count, accepted, rest[0] if rest else None,
+                                    origin, produced)
+                drafts, offered = self.draft(model, drafts_state, verified,
+                                             [[column[b] for b in rows.kept] for column in more_host])
+            fed = torch.cat([next_token, drafts], dim=1)             # (live, 1 .. k)
 
         counters = self.draft_counters(drafts_state)
         read, *counter_values = read_back(produced, *counters.values())   # the one read-back of results

@@ -329,7 +329,7 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
                    for r, seq in enumerate(sequences)]                      # (len, d) per example
 
     position = [0] * len(sequences)   # per example: tokens produced so far = position of fed[:, 0]
-    next_proposals = []               # per row that goes on, for the heads: (example, its new position)
+    next_proposals = []               # per row of the call, for the heads: (example, its new position)
     calls, moved_calls, compared = [0], [0], [0]
 
     def checking_run_decoder(model, fed, self_bias, live_states, *args, **kwargs):
@@ -351,9 +351,8 @@ def test_every_accepted_state_equals_the_teacher_forced_one():
                     torch.testing.assert_close(hidden[i, j], teacher[r][n + j], rtol=0, atol=1e-9)
                     compared[0] += 1
             position[r] = n + accepted + 1
-            # the heads draft only for a row that goes on: it has not produced seq's end or the bound
-            if position[r] < len(seq) - 1:
-                next_proposals.append((r, position[r]))
+            # the heads draft for every row of the call, before the sync that tells which go on
+            next_proposals.append((r, position[r]))
         return hidden
 
     def oracle_proposal_logits(model, hidden, stacked=None):                 # hidden: (live, d)

@@ -243,6 +243,25 @@ def test_rows_with_different_sources_accept_different_numbers_in_one_batch():
     assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
 
 
+def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
+    """Drafts are made before the call's sync, which reads how many tokens each offers: a call is
+    as wide as the longest offer needs, and one token per row when no row offers any. The source
+    [30] + CHAIN offers 4 tokens after 10 (to 15), then 3 (16, 17, end); NOISE never offers one."""
+    model, _ = rigged_model(CHAIN)
+    input_ids, attention_mask = padded([NOISE, [30] + CHAIN])
+    decoder, widths = lookup(model, draft_tokens=4, max_new_tokens=20), []
+    run = decoder.model_step()
+
+    def recording(model, fed, *args, **kwargs):
+        widths.append(fed.size(1))
+        return run(model, fed, *args, **kwargs)
+    decoder.model_step = lambda: recording
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert out.decoder_calls == [len(CHAIN), 3]
+    assert widths == [1, 5, 4] + [1] * (len(CHAIN) - 3)
+    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
+
+
 def test_the_bound_cuts_inside_an_accepted_draft():
     out, *_ = run_rigged([[30] + CHAIN], draft_tokens=8, max_new_tokens=6)
     assert out.subsequences == [[CHAIN[:6]]] and out.tokens == [6] and out.hit_max_steps == [True]
