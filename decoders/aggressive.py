@@ -38,7 +38,7 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode
-from decoders.drafts import DraftAndVerifyDecoder, Verified
+from decoders.drafts import DRAFT_LENGTH, DraftAndVerifyDecoder, Verified
 from decoders.loop import send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
@@ -75,6 +75,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
                "drafter": Option(None, decode_only=True),
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
+               "draft_length": DRAFT_LENGTH,
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
                                             decode_only=True)}

@@ -45,7 +45,8 @@ from transformers.cache_utils import EncoderDecoderCache
 
 from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
                                past_distance_bias_table)
-from decoders.base import Decoder
+from datamodules.vocabulary import Choice
+from decoders.base import Decoder, Option
 from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back
 from decoders.transformers_internals import CacheLayer, cache_with_self_attention_layers
 
@@ -66,6 +67,29 @@ def accepted_length(drafts: torch.Tensor, candidates: torch.Tensor,
     if offered is not None:
         match &= torch.arange(drafts.size(1), device=drafts.device) < offered[:, None]
     return match.cummin(dim=1).values.sum(dim=1)
+
+
+# How many draft tokens a row offers per call (the decoders' option `draft_length`): always the
+# drafter's width m (`fixed`), or a per-row length that follows what the row's drafts achieve
+# (`adaptive`, `next_draft_lengths`).
+FIXED, ADAPTIVE = "fixed", "adaptive"
+DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
+
+
+def next_draft_lengths(lengths: torch.Tensor, offered: torch.Tensor, accepted: torch.Tensor,
+                       width: int) -> torch.Tensor:
+    """The adaptive schedule, per row (all (live,)): after a call whose draft the model accepted
+    whole, a row may offer 2 tokens more (up to the drafter's width m); after one it cut short,
+    1 fewer (down to 1); a row that offered nothing keeps its length.
+
+    It is transformers' assisted-decoding heuristic, kept per row: in a batch, one row's rejected
+    drafts must not shorten another's, and a call is as wide as its longest offer, so it narrows
+    only when every row's drafts keep failing. The floor is 1, not 0: a row keeps probing with one
+    token (one column more than a sequential call), so it can grow again where drafts start to
+    pass, e.g. on the next span its output copies."""
+    tried = offered > 0
+    grown = torch.where(accepted >= offered, (lengths + 2).clamp(max=width), (lengths - 1).clamp(min=1))
+    return torch.where(tried, grown, lengths)
 
 
 def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
@@ -143,6 +167,15 @@ def call_index_tables(k: int, most_slots: int, device: torch.device):
             for q in range(1, k + 1)}
 
 
+def capped(lengths: torch.Tensor | None, drafts: torch.Tensor,
+           offered: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft `drafter.draft` made, (live, m) tokens and their offer, with each row's offer cut to
+    its adaptive length (`lengths`; None: the fixed length, nothing cut)."""
+    if lengths is None:
+        return drafts, offered
+    return drafts, lengths if offered is None else torch.minimum(offered, lengths)
+
+
 @dataclass
 class Verified:
     """What a call settled, per row, for the drafter: every row of the call in `after_call`, the
@@ -163,6 +196,7 @@ class DraftAndVerifyDecoder(Decoder):
 
     max_new_tokens: int
     top_k: int = 1
+    draft_length: str = FIXED
     # the `stats` key counting the decoder calls of every example (beside "accepted_tokens", the
     # tokens they produced: their ratio is the mean tokens per call)
     calls_stat: ClassVar[str] = "draft_calls"
@@ -237,6 +271,8 @@ class DraftAndVerifyDecoder(Decoder):
         originals = list(range(batch_size))                          # host: each live row's example
         fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
         drafts = offered = None                                      # what fed holds after its first token
+        # per row, the draft tokens it may offer (the adaptive schedule); None: always m
+        lengths = torch.full_like(count, m) if self.draft_length == ADAPTIVE else None
         batch_calls = 0
         run = self.model_step()
         while True:
@@ -270,6 +306,9 @@ class DraftAndVerifyDecoder(Decoder):
             first_end = torch.where(tokens == end, offsets, no_end).amin(dim=1)     # (live,)
             next_token = greedy.gather(1, accepted[:, None])         # (live, 1)
             count = count + accepted + 1                             # right for every row that goes on
+            if lengths is not None and drafts is not None:
+                lengths = next_draft_lengths(lengths, offered if offered is not None
+                                             else torch.full_like(lengths, m), accepted, m)
             last_hidden = hidden[row_index, accepted]                # (live, d_model)
             needs = self.after_call(drafts_state, Verified(last_hidden, next_token, count, accepted,
                                                            offered, origin, produced))
@@ -277,9 +316,9 @@ class DraftAndVerifyDecoder(Decoder):
             # then also reads how far the drafts reach: the next call feeds no column that no row
             # offers a token in (on keyphrases and answers, whose first token follows a separator the
             # source lacks, lookup often offers nothing, and a call then feeds one token per row).
-            early = None if needs is not None else self.draft(
+            early = None if needs is not None else capped(lengths, *self.draft(
                 model, drafts_state, Verified(last_hidden, next_token, count, accepted, offered,
-                                              origin, produced), None)
+                                              origin, produced), None))
             settled = [accepted, first_end]
             if needs is not None:
                 settled += list(needs)
@@ -296,11 +335,13 @@ class DraftAndVerifyDecoder(Decoder):
                     final_counts[example], calls[example] = counts[b], batch_calls
             carried = [] if early is None else [early[0], *([] if early[1] is None else [early[1]])]
             kept_rows = rows.drop(done, cache, encoder_states, cross_mask, count, origin, next_token,
-                                  last_hidden, accepted, *carried,
-                                  *([] if offered is None else [offered]))
+                                  last_hidden, accepted, *([] if lengths is None else [lengths]),
+                                  *carried, *([] if offered is None else [offered]))
             if kept_rows is None:
                 break
             encoder_states, cross_mask, count, origin, next_token, last_hidden, accepted, *rest = kept_rows
+            if lengths is not None:
+                lengths, *rest = rest
             originals = [originals[b] for b in rows.kept]
             counts = [counts[b] for b in rows.kept]
             if len(rows.kept) < len(done):
@@ -317,8 +358,8 @@ class DraftAndVerifyDecoder(Decoder):
                 # drafted after the sync, for the rows that go on only, with the host values they need
                 verified = Verified(last_hidden, next_token, count, accepted, rest[0] if rest else None,
                                     origin, produced)
-                drafts, offered = self.draft(model, drafts_state, verified,
-                                             [[column[b] for b in rows.kept] for column in more_host])
+                drafts, offered = capped(lengths, *self.draft(
+                    model, drafts_state, verified, [[column[b] for b in rows.kept] for column in more_host]))
             fed = torch.cat([next_token, drafts], dim=1)             # (live, 1 .. k)
 
         counters = self.draft_counters(drafts_state)

@@ -30,7 +30,7 @@ import torch
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.drafts import DraftAndVerifyDecoder, Verified
+from decoders.drafts import DRAFT_LENGTH, DraftAndVerifyDecoder, Verified
 from decoders.loop import NOT_PRODUCED
 from decoders.sequential import SequentialDecoder
 
@@ -67,7 +67,8 @@ class LookupDecoder(DraftAndVerifyDecoder):
                                       decode_only=True),
                "match": Option(1, Range(ge=1, note="output tokens looked up in the source"),
                                decode_only=True),
-               "max_new_tokens": OUTPUT_BOUND}
+               "max_new_tokens": OUTPUT_BOUND,
+               "draft_length": DRAFT_LENGTH}
 
     # The sequential layout and loss, shared rather than copied: those of the model it decodes
     # (tasks never fit this decoder, `trains_nothing`; a test may train a model with them).

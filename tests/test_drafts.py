@@ -5,11 +5,14 @@ briefly trained one whose drafts are accepted, rows accepting different numbers 
 
 The decoder-specific behaviour (which drafts are offered, how many calls a construction takes) is
 tested in test_blockwise.py, test_lookup.py and test_aggressive.py."""
+import functools
+
 import pytest
+import torch
 
 from decoders import available, build_decoder, decoder_class
 from decoders.base import Decoder
-from decoders.drafts import DraftAndVerifyDecoder
+from decoders.drafts import ADAPTIVE, FIXED, DraftAndVerifyDecoder, next_draft_lengths
 from decoders.loop import split_flat_output
 from tasks.bench import bounded, with_drafter
 from tests.conftest import (SPECIAL, assert_same_output, briefly_trained, first_batch_where,
@@ -42,6 +45,7 @@ def assert_greedy(decoder, model, input_ids, attention_mask):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def trained(name: str):
     """A briefly trained model and decoder `name` ready to decode it: a decoder with a loss of its
     own (blockwise: base head and proposal heads) trains with it; one that trains nothing is given
@@ -62,10 +66,11 @@ def trained(name: str):
 
 @pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_random_model_decodes_greedily(name, seed):
+@pytest.mark.parametrize("length", [FIXED, ADAPTIVE])
+def test_a_random_model_decodes_greedily(name, seed, length):
     model = tiny_t5(seed)
-    decoder = with_drafter(build_decoder(name, model.config, SPECIAL, **bounded(name, BOUND)),
-                           model).eval()
+    decoder = with_drafter(build_decoder(name, model.config, SPECIAL, draft_length=length,
+                                         **bounded(name, BOUND)), model).eval()
 
     def varied(input_ids, attention_mask):
         """outputs of 3 or more lengths, one of them ended by its end token"""
@@ -75,8 +80,10 @@ def test_a_random_model_decodes_greedily(name, seed):
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_a_trained_model_accepts_drafts_and_decodes_greedily(name):
+@pytest.mark.parametrize("length", [FIXED, ADAPTIVE])
+def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     model, decoder = trained(name)
+    decoder.draft_length = length
 
     def accepting(input_ids, attention_mask):
         """drafts accepted, rows accepting different numbers of them"""
@@ -85,3 +92,11 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name):
     input_ids, attention_mask = first_batch_where(accepting, 8, max_len=9, seed=60, tries=40)
     out = assert_greedy(decoder, model, input_ids, attention_mask)
     assert sum(accepted_per_row(out)) > 0
+
+
+def test_the_adaptive_length_grows_after_a_whole_draft_and_shrinks_after_a_cut_one():
+    lengths, width = torch.tensor([4, 4, 1, 3, 2, 2]), 4
+    offered = torch.tensor([2, 4, 1, 0, 2, 1])
+    accepted = torch.tensor([2, 1, 0, 0, 2, 0])
+    # whole (capped at m), cut, cut (floor 1), nothing offered (kept), whole, cut
+    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 3, 1, 3, 4, 1]

@@ -308,6 +308,9 @@ DECODER_BAD_VALUES = [
      "decoder.length_loss_weight must be a finite number >= 0, got -0.5"),
     ("nar", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
     ("onestep", "decoder.max_new_tokens=0", "decoder.max_new_tokens must be an integer >= 1, got 0"),
+    *[(name, "decoder.draft_length=sometimes",
+       "decoder.draft_length must be one of 'fixed', 'adaptive', got 'sometimes'")
+      for name in ("lookup", "blockwise", "aggressive")],
     ("lookup", "decoder.draft_tokens=0",
      "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),
     ("lookup", "decoder.match=0",

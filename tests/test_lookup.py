@@ -262,6 +262,29 @@ def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
     assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
 
 
+@pytest.mark.parametrize("length,widths", [
+    ("fixed", [1] + [5] * 8),
+    # rejected every time: 4 offered, then 3, 2, and 1 from then on
+    ("adaptive", [1, 5, 4, 3] + [2] * 5)])
+def test_an_adaptive_length_falls_back_where_drafts_are_rejected(length, widths):
+    """Every output token occurs in the source, followed by a token the model never writes after
+    it: each call offers a draft whose first token is rejected."""
+    model, _ = rigged_model(CHAIN)
+    source = [token for pair in zip(CHAIN[:-1], NOISE * 3) for token in pair] + NOISE
+    input_ids, attention_mask = padded([source])
+    decoder, fed = lookup(model, draft_tokens=4, max_new_tokens=20, draft_length=length), []
+    run = decoder.model_step()
+
+    def recording(model, tokens, *args, **kwargs):
+        fed.append(tokens.size(1))
+        return run(model, tokens, *args, **kwargs)
+    decoder.model_step = lambda: recording
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert out.decoder_calls == [len(CHAIN)] and out.stats["draft_tokens_accepted"] == 0
+    assert fed == widths
+    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
+
+
 def test_the_bound_cuts_inside_an_accepted_draft():
     out, *_ = run_rigged([[30] + CHAIN], draft_tokens=8, max_new_tokens=6)
     assert out.subsequences == [[CHAIN[:6]]] and out.tokens == [6] and out.hit_max_steps == [True]
@@ -310,7 +333,7 @@ def test_yaml_options_are_the_constructor_arguments():
     cfg = compose(task="keyphrase", decoder="lookup")
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length,
-                       "compile": False}
+                       "draft_length": "fixed", "compile": False}
     decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
     assert (decoder.draft_width, decoder.match) == (4, 1)
     assert set(decoder_class("lookup").decode_only_options()) == set(options)
