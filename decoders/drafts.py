@@ -169,8 +169,8 @@ def call_index_tables(k: int, most_slots: int, device: torch.device):
 
 def capped(lengths: torch.Tensor | None, drafts: torch.Tensor,
            offered: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A draft `drafter.draft` made, (live, m) tokens and their offer, with each row's offer cut to
-    its adaptive length (`lengths`; None: the fixed length, nothing cut)."""
+    """A draft `DraftAndVerifyDecoder.draft` made, (live, m) tokens and their offer, with each
+    row's offer cut to its adaptive length (`lengths`; None: the fixed length, nothing cut)."""
     if lengths is None:
         return drafts, offered
     return drafts, lengths if offered is None else torch.minimum(offered, lengths)
