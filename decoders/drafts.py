@@ -19,8 +19,9 @@ decides from them which rows are done and drops them (`LiveRows`), and only then
 on drafted for the next call. A drafter that needs nothing on the host (lookup, blockwise) drafts
 every live row before the sync instead, and the sync also reads how many tokens each draft offers:
 the next call feeds only as many columns as the longest offer needs (one, the model's own token,
-when no row offers anything), so a draft that offers nothing costs no wider call. A row that goes on kept its whole accepted prefix plus one, so its new
-count is n_r + accepted + 1, computed on the device.
+when no row offers anything), so a draft that offers nothing costs no wider call. A row that goes
+on kept its whole accepted prefix plus one, so its new count is n_r + accepted + 1, computed on the
+device.
 
 Cache (`RowSlots`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
@@ -310,15 +311,14 @@ class DraftAndVerifyDecoder(Decoder):
                 lengths = next_draft_lengths(lengths, offered if offered is not None
                                              else torch.full_like(lengths, m), accepted, m)
             last_hidden = hidden[row_index, accepted]                # (live, d_model)
-            needs = self.after_call(drafts_state, Verified(last_hidden, next_token, count, accepted,
-                                                           offered, origin, produced))
+            verified = Verified(last_hidden, next_token, count, accepted, offered, origin, produced)
+            needs = self.after_call(drafts_state, verified)
             # A drafter that needs nothing from the host drafts every live row before the sync, which
             # then also reads how far the drafts reach: the next call feeds no column that no row
             # offers a token in (on keyphrases and answers, whose first token follows a separator the
             # source lacks, lookup often offers nothing, and a call then feeds one token per row).
             early = None if needs is not None else capped(lengths, *self.draft(
-                model, drafts_state, Verified(last_hidden, next_token, count, accepted, offered,
-                                              origin, produced), None))
+                model, drafts_state, verified, None))
             settled = [accepted, first_end]
             if needs is not None:
                 settled += list(needs)

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = planned[0][0]
     target = decode_target(cfg)
     check_tracking(cfg)
-    record = plan_record(planned, [row_label(c, swept) for c, swept in planned], starts, checkpoints)
+    record = plan_record(planned, starts, checkpoints)
     resumed = None
     if args.resume is not None:
         resumed = find_comparison(cfg, record, None if args.resume is LATEST else args.resume)

@@ -243,13 +243,12 @@ def test_rows_with_different_sources_accept_different_numbers_in_one_batch():
     assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
 
 
-def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
-    """Drafts are made before the call's sync, which reads how many tokens each offers: a call is
-    as wide as the longest offer needs, and one token per row when no row offers any. The source
-    [30] + CHAIN offers 4 tokens after 10 (to 15), then 3 (16, 17, end); NOISE never offers one."""
+def decode_recording_widths(rows: list[list[int]], **options):
+    """Lookup decoding of the rigged model (greedy output CHAIN) from sources `rows`, checked
+    against sequential decoding: (output, the number of tokens each decoder call fed per row)."""
     model, _ = rigged_model(CHAIN)
-    input_ids, attention_mask = padded([NOISE, [30] + CHAIN])
-    decoder, widths = lookup(model, draft_tokens=4, max_new_tokens=20), []
+    input_ids, attention_mask = padded(rows)
+    decoder, widths = lookup(model, max_new_tokens=20, **options), []
     run = decoder.model_step()
 
     def recording(model, fed, *args, **kwargs):
@@ -257,9 +256,17 @@ def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
         return run(model, fed, *args, **kwargs)
     decoder.model_step = lambda: recording
     out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
+    return out, widths
+
+
+def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
+    """Drafts are made before the call's sync, which reads how many tokens each offers: a call is
+    as wide as the longest offer needs, and one token per row when no row offers any. The source
+    [30] + CHAIN offers 4 tokens after 10 (to 15), then 3 (16, 17, end); NOISE never offers one."""
+    out, widths = decode_recording_widths([NOISE, [30] + CHAIN], draft_tokens=4)
     assert out.decoder_calls == [len(CHAIN), 3]
     assert widths == [1, 5, 4] + [1] * (len(CHAIN) - 3)
-    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
 
 
 @pytest.mark.parametrize("length,widths", [
@@ -269,20 +276,10 @@ def test_a_call_feeds_only_the_columns_some_row_offers_a_token_in():
 def test_an_adaptive_length_falls_back_where_drafts_are_rejected(length, widths):
     """Every output token occurs in the source, followed by a token the model never writes after
     it: each call offers a draft whose first token is rejected."""
-    model, _ = rigged_model(CHAIN)
     source = [token for pair in zip(CHAIN[:-1], NOISE * 3) for token in pair] + NOISE
-    input_ids, attention_mask = padded([source])
-    decoder, fed = lookup(model, draft_tokens=4, max_new_tokens=20, draft_length=length), []
-    run = decoder.model_step()
-
-    def recording(model, tokens, *args, **kwargs):
-        fed.append(tokens.size(1))
-        return run(model, tokens, *args, **kwargs)
-    decoder.model_step = lambda: recording
-    out = decoder.generate(model, input_ids, attention_mask)
+    out, fed = decode_recording_widths([source], draft_tokens=4, draft_length=length)
     assert out.decoder_calls == [len(CHAIN)] and out.stats["draft_tokens_accepted"] == 0
     assert fed == widths
-    assert_same_output(out, sequential(model, 20).generate(model, input_ids, attention_mask))
 
 
 def test_the_bound_cuts_inside_an_accepted_draft():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from tasks.comparison.plan import row_label
 from tasks.config import ConfigError, flatten
 from tasks.runs.checkpoints import Resume, find_resumable, last_checkpoint
 from tasks.runs.tracking import experiment_name
@@ -30,14 +31,14 @@ WHERE_KEYS = ("tracking.", "data.tokenizer_cache", "data.num_workers", "data.cac
               "trainer.enable_progress_bar")
 
 
-def plan_record(planned: list[tuple[DictConfig, list[str]]], labels: list[str],
-                starts: list[bool], checkpoints: dict[str, str]) -> dict:
+def plan_record(planned: list[tuple[DictConfig, list[str]]], starts: list[bool],
+                checkpoints: dict[str, str]) -> dict:
     """What a comparison was planned as: each row's label and configuration (`WHERE_KEYS` left
     out), whether it starts from the sequential row's checkpoint, and the --ckpt checkpoints."""
-    rows = [{"label": label, "from_sequential": start,
+    rows = [{"label": row_label(cfg, swept), "from_sequential": start,
              "config": {key: value for key, value in flatten(cfg).items()
                         if not key.startswith(WHERE_KEYS)}}
-            for (cfg, _), label, start in zip(planned, labels, starts)]
+            for (cfg, swept), start in zip(planned, starts)]
     return {"rows": rows, "checkpoints": dict(sorted(checkpoints.items()))}
 
 
