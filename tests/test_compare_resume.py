@@ -151,6 +151,9 @@ def test_a_plan_that_differs_is_refused_and_a_fresh_start_points_to_resume(tmp_p
     with pytest.raises(ConfigError, match=r"row 2 \(pipelined\) train\.lr: 0\.001 in the comparison, "
                                           r"0\.002 now"):
         compare.main(argv(tmp_path, "train.lr=0.002", "--resume", comparison_id))
+    with pytest.raises(ConfigError, match=r"row 1 \(sequential\) task\.name: 'keyphrase' in the "
+                                          r"comparison, 'qa' now"):
+        compare.main(argv(tmp_path, "--task", "qa", "--resume", comparison_id))
     with pytest.raises(ConfigError, match=rf"no unfinished comparison of this plan.*{comparison_id}, "
                                           rf"was planned otherwise \(.*train\.lr"):
         compare.main(argv(tmp_path, "train.lr=0.002", "--resume"))

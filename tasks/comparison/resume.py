@@ -88,13 +88,18 @@ class Resumed:
 
 
 def comparison_runs(cfg: DictConfig, unfinished: bool, digest: str | None = None,
-                    comparison_id: str | None = None) -> list:
-    """The experiment's comparison runs (latest first), only the unfinished ones, or those of one
-    plan digest or comparison id."""
+                    comparison_id: str | None = None, every_experiment: bool = False) -> list:
+    """The experiment's comparison runs (latest first; with `every_experiment`, those of every
+    experiment of the store: a comparison of another task), only the unfinished ones, or those of
+    one plan digest or comparison id."""
     from mlflow.tracking import MlflowClient
     client = MlflowClient(cfg.tracking.uri)
-    experiment = client.get_experiment_by_name(experiment_name(cfg))
-    if experiment is None:
+    if every_experiment:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+    else:
+        experiment = client.get_experiment_by_name(experiment_name(cfg))
+        experiments = [] if experiment is None else [experiment.experiment_id]
+    if not experiments:
         return []
     where = ["tags.role = 'comparison'"]
     if unfinished:
@@ -103,7 +108,7 @@ def comparison_runs(cfg: DictConfig, unfinished: bool, digest: str | None = None
         where.append(f"tags.plan_digest = '{digest}'")
     if comparison_id is not None:
         where.append(f"tags.comparison_id = '{comparison_id}'")
-    return client.search_runs([experiment.experiment_id], filter_string=" and ".join(where),
+    return client.search_runs(experiments, filter_string=" and ".join(where),
                               order_by=["attributes.start_time DESC"])
 
 
@@ -123,10 +128,12 @@ def find_comparison(cfg: DictConfig, record: dict, comparison_id: str | None) ->
     latest attempts; ConfigError when there is none, when it finished, or when its plan differs."""
     digest = plan_digest(record)
     if comparison_id is not None:
-        runs = comparison_runs(cfg, unfinished=False, comparison_id=comparison_id)
+        # in every experiment: a comparison of another task is refused below, naming task.name
+        runs = comparison_runs(cfg, unfinished=False, comparison_id=comparison_id,
+                               every_experiment=True)
         if not runs:
-            raise ConfigError(f"--resume {comparison_id}: no comparison with that id in experiment "
-                              f"{experiment_name(cfg)!r} of tracking.uri={cfg.tracking.uri!r}")
+            raise ConfigError(f"--resume {comparison_id}: no comparison with that id in "
+                              f"tracking.uri={cfg.tracking.uri!r}")
         run = runs[0]
         if run.info.status == "FINISHED":
             raise ConfigError(f"--resume {comparison_id}: that comparison finished; there is "
