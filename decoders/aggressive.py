@@ -21,11 +21,12 @@ drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token pas
 the verifier's top-k tokens there): faster, no longer exact.
 
 Host syncs: the loop's one per verifier call, which also reads back which rows re-draft and the
-shapes of their pass (`after_call`), and the drafter's own encoder and length read-back once per
+shapes of their pass (`host_values`), and the drafter's own encoder and length read-back once per
 decode.
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
-accepted, the rows re-drafted and the drafter's decoder passes (first draft and re-drafts) are
-reported beside them.
+accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
+seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
+verifier's) are reported beside them.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode
-from decoders.drafts import DRAFT_LENGTH, DraftAndVerifyDecoder, Verified
-from decoders.loop import send
+from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
+from decoders.loop import Stopwatch, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
 
@@ -52,14 +53,14 @@ class Drafts:
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
     tokens: torch.Tensor          # (B, max_new_tokens) the current draft, by output index
     lengths: torch.Tensor         # (B,) how many of them are drafted
-    offered: torch.Tensor         # 0-dim: draft tokens offered to the verifier so far
-    accepted: torch.Tensor        # 0-dim: draft tokens it accepted
+    offsets: torch.Tensor         # (m,) 0..m-1: a draft's output indices past a row's count
+    clock: Stopwatch              # the time the drafter takes: its first draft and re-drafts
     redrafts: int = 0             # rows drafted again
     passes: int = 0               # the drafter's decoder passes
 
 
 @register("aggressive")
-class AggressiveDecoder(DraftAndVerifyDecoder):
+class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
     drafts_with = "nar"
@@ -110,49 +111,44 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
             self.attached = (nar.to(device), nar_model.to(device))
         return self.attached
 
-    def begin_drafts(self, model, input_ids, attention_mask, encoder_states):
-        nar, nar_model = self.drafter_parts(input_ids.device)
-        nar_states = encode(nar_model, input_ids, attention_mask)
-        tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, attention_mask)
-        padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
-        padded[:, : tokens.size(1)] = tokens
-        zero = torch.zeros((), dtype=torch.long, device=tokens.device)
-        return Drafts(nar_states, cross_attention_mask(attention_mask, nar_states.dtype), padded,
-                      lengths, offered=zero, accepted=zero, passes=max(passes))
+    def begin_drafts(self, model, source: Source) -> Drafts:
+        device = source.input_ids.device
+        nar, nar_model = self.drafter_parts(device)
+        clock = Stopwatch(device)
+        with clock.timing():
+            nar_states = encode(nar_model, source.input_ids, source.attention_mask)
+            tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, source.attention_mask)
+            padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
+            padded[:, : tokens.size(1)] = tokens
+        return Drafts(nar_states, cross_attention_mask(source.attention_mask, nar_states.dtype), padded,
+                      lengths, torch.arange(self.draft_tokens, device=device), clock, passes=max(passes))
 
-    def after_call(self, state: Drafts, verified: Verified) -> torch.Tensor:
-        """Count the call's verified drafts, and decide which rows need drafting again (module
-        docstring): (3, live) whether a row does, its count and its draft's length, read back with
-        the loop's one host sync."""
-        # the call just made verified the drafts it fed (none at the first call); drafts made
-        # after a row's last call are never fed, so they are counted here, when fed, not when made
-        if verified.offered is not None:
-            state.offered = state.offered + verified.offered.sum()
-        state.accepted = state.accepted + verified.accepted.sum()
-        examples, count = verified.origin.view(-1), verified.count
-        lengths = state.lengths[examples]                             # (live,)
+    def host_values(self, state: Drafts, verified: Verified) -> dict[str, torch.Tensor]:
+        """Which rows need drafting again (module docstring), with each row's count and its draft's
+        length, for the shapes of the re-draft: read back with the loop's one host sync."""
+        count = verified.count.view(-1)                               # (live,)
+        lengths = state.lengths[verified.example]                     # (live,)
         columns = state.tokens.size(1)
-        last = (count - 1).clamp(max=columns - 1)                    # the verifier's own token's index
-        disagrees = (count - 1 < lengths) & (state.tokens[examples, last] != verified.next_token.view(-1))
+        # the draft's token at the verifier's own token's index (count - 1); a row whose output has
+        # reached its draft's length needs drafting again anyway
+        drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
         # rows that are done are dropped before drafting, so this need not know which those are
-        needed = (disagrees | (count >= lengths)) & (count < columns)
-        return torch.stack([needed.long(), count, lengths])
+        needed = ((drafted != verified.next_token).view(-1) | (count >= lengths)) & (count < columns)
+        return {"redraft": needed, "count": count, "length": lengths}
 
-    def draft(self, model, state: Drafts, verified: Verified, host: list[list[int]]):
-        needed, count_host, lengths_host = host
-        rows = [row for row, need in enumerate(needed) if need]
+    def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
+        rows = [row for row, need in enumerate(host["redraft"]) if need]
         if rows:
-            self.redraft(state, verified, rows, [count_host[row] for row in rows],
-                         [lengths_host[row] for row in rows])
-        examples, count, m = verified.origin.view(-1), verified.count, self.draft_tokens
-        lengths = state.lengths[examples]                             # (live,)
+            with state.clock.timing():
+                self.redraft(state, verified, rows, [host["count"][row] for row in rows],
+                             [host["length"][row] for row in rows])
+        m, columns = self.draft_tokens, state.tokens.size(1)
+        lengths = state.lengths[verified.example]                     # (live,)
         # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
         # verifier's own, sits at count - 1); indices past the draft are filler, never offered
-        columns = state.tokens.size(1)
-        indices = (count[:, None] + torch.arange(m, device=count.device)).clamp(max=columns - 1)
-        drafts = state.tokens[examples[:, None], indices]             # (live, m)
-        offered = (lengths - count).clamp(0, m)
-        return drafts, offered
+        indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m)
+        return Draft(state.tokens[verified.origin, indices],
+                     offered=(lengths - verified.count.view(-1)).clamp(0, m))
 
     def redraft(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
                 lengths: list[int]) -> None:
@@ -168,8 +164,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         width = max(new_lengths)
         device = verified.count.device
         rows_t, lengths_t = send([rows, new_lengths], device)
-        redrafted = verified.origin.view(-1)[rows_t]
-        given_t = verified.count[rows_t]
+        redrafted = verified.example[rows_t]
+        given_t = verified.count[rows_t, 0]
         positions = torch.arange(width, device=device)[None, :]
         # the verified prefix lies within the loop's columns (a row that goes on has count < bound)
         produced = verified.produced[redrafted]                       # (rows, columns of the loop)
@@ -184,8 +180,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder):
         state.redrafts += len(rows)
         state.passes += passes
 
-    def draft_counters(self, state: Drafts) -> dict[str, torch.Tensor]:
-        device = state.offered.device
-        return {"draft_tokens_offered": state.offered, "draft_tokens_accepted": state.accepted,
-                "redrafts": torch.tensor(state.redrafts, device=device),
-                "drafter_passes": torch.tensor(state.passes, device=device)}
+    def drafter_counters(self, state: Drafts) -> dict[str, float]:
+        return {"redrafts": state.redrafts, "drafter_passes": state.passes,
+                "drafter_seconds": state.clock.total()}

@@ -158,12 +158,21 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     # self-attention without a mask is run as causal (cached keys beyond the query count are even
     # cropped), which would silently replace the structure. `position_bias` must not be None
     # either, or layer 0 adds T5's own 1-D relative bias; a broadcast zero adds nothing.
-    no_extra_bias = self_bias.new_zeros((1, 1, 1, 1))
+    no_extra_bias = broadcast_zero(self_bias.dtype, self_bias.device)
     for block in decoder.block:
         hidden = block(hidden, attention_mask=self_bias, position_bias=no_extra_bias,
                        encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
                        **{BLOCK_CACHE_ARGUMENT: cache})[0]
     return decoder.dropout(decoder.final_layer_norm(hidden))
+
+
+@functools.lru_cache(maxsize=None)
+def broadcast_zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (1, 1, 1, 1) zero, made once per dtype and device: `run_decoder`'s extra position bias,
+    which nothing writes to. Made outside inference mode, so that training may use it after a
+    decode under `torch.inference_mode` made it."""
+    with torch.inference_mode(False):
+        return torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
 
 
 # Dynamo keeps one list of graphs for `run_decoder`: each model, cache kind (appending, per-row

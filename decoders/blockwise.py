@@ -33,7 +33,7 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
-from decoders.drafts import DRAFT_LENGTH, DraftAndVerifyDecoder
+from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.sequential import SequentialDecoder
 from decoders.transformers_internals import shift_right
 
@@ -55,7 +55,7 @@ class ProposalHead(nn.Module):
 
 
 @register("blockwise")
-class BlockwiseDecoder(DraftAndVerifyDecoder):
+class BlockwiseDecoder(DraftAndVerifyDecoder[tuple[torch.Tensor, torch.Tensor]]):
     layout_family = "flat-causal"  # the base head trains on the sequential layout
     # Stern et al. add the heads to a trained model; with the backbone frozen the output is its own.
     builds_on_sequential = True
@@ -125,12 +125,12 @@ class BlockwiseDecoder(DraftAndVerifyDecoder):
     def draft_width(self) -> int:
         return self.block_size - 1
 
-    def begin_drafts(self, model, input_ids, attention_mask, encoder_states):
+    def begin_drafts(self, model, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads' weights stacked once per decode, so that all k-1 heads run as one matmul each."""
         return self.stacked_head_weights()
 
-    def draft(self, model, state, verified, host):
-        return self.proposal_logits(model, verified.hidden, state).argmax(-1), None
+    def draft(self, model, state: tuple[torch.Tensor, torch.Tensor], verified: Verified, host) -> Draft:
+        return Draft(self.proposal_logits(model, verified.hidden, state).argmax(-1), offered=None)
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

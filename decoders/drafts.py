@@ -1,8 +1,9 @@
 """Draft and verify: guessed next tokens checked by the model's own greedy tokens in one decoder call.
 
-The loop the blockwise (its proposal heads draft), lookup (spans of the source draft) and aggressive
-(a non-autoregressive model drafts) decoders share: they differ only in where a draft comes from
-(`DraftAndVerifyDecoder.draft`), and each is exactly greedy decoding of its verifying model.
+One verify loop (`VerifyLoop`) with drafters composed into it: blockwise (its proposal heads draft),
+lookup (spans of the source) and aggressive (a non-autoregressive model). A drafter is one subclass
+of `DraftAndVerifyDecoder` and says only where a draft comes from; each is exactly greedy decoding
+of its verifying model.
 
 One call. Row r has produced n_r tokens; its last one sits at position n_r (the start token at 0).
 The call feeds [y, d_1, .., d_m] (y its last token, d its draft) at positions n_r .. n_r + m. The
@@ -14,16 +15,21 @@ feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
 `max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end,
-with whatever the drafter needs on the host (`after_call`: aggressive's re-draft decision); the host
+with whatever the drafter needs on the host (`host_values`: aggressive's re-draft decision); the host
 decides from them which rows are done and drops them (`LiveRows`), and only then are the rows that go
 on drafted for the next call. A drafter that needs nothing on the host (lookup, blockwise) drafts
 every live row before the sync instead, and the sync also reads how many tokens each draft offers:
 the next call feeds only as many columns as the longest offer needs (one, the model's own token,
 when no row offers anything), so a draft that offers nothing costs no wider call. A row that goes
 on kept its whole accepted prefix plus one, so its new count is n_r + accepted + 1, computed on the
-device.
+device. The same sync reads what the loop counts of every drafter's drafts (`LOOP_COUNTERS`: offered,
+accepted, cut at a separator), which the host adds up.
 
-Cache (`RowSlots`). Every row's self-attention keys and values sit at slot = position, in a buffer
+Draft length (`draft_length`): `fixed` offers the drafter's whole width m on every call; `adaptive`
+gives each row its own length (`next_draft_lengths`), so that a row whose drafts keep failing falls
+back toward one-token calls while another row's drafts grow.
+
+Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
 slot lies at or past the row's new count, where the next call writes its own fed tokens before
 attending, and every slot past a query's position is in its future, which the causal bias hides. So
@@ -31,15 +37,15 @@ nothing is ever gathered, compacted or cropped: a call attends to slots 0 .. max
 bias (T5's relative bias of query position - slot, gathered from one table) hides what a row must
 not see.
 
-Host syncs: one per call, plus the final read-back of the outputs (and of a drafter's counters), plus
-what a drafter reads once per decode (aggressive's drafter: its encoder and its first draft's lengths).
+Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
+per decode (aggressive's drafter: its encoder and its first draft's lengths).
 """
 from __future__ import annotations
 
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
@@ -168,32 +174,61 @@ def call_index_tables(k: int, most_slots: int, device: torch.device):
             for q in range(1, k + 1)}
 
 
-def capped(lengths: torch.Tensor | None, drafts: torch.Tensor,
-           offered: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A draft `DraftAndVerifyDecoder.draft` made, (live, m) tokens and their offer, with each
-    row's offer cut to its adaptive length (`lengths`; None: the fixed length, nothing cut)."""
-    if lengths is None:
-        return drafts, offered
-    return drafts, lengths if offered is None else torch.minimum(offered, lengths)
+@dataclass
+class Source:
+    """What a drafter may draft from, given once per decode (`begin_drafts`)."""
+
+    input_ids: torch.Tensor       # (B, S) the encoder inputs
+    attention_mask: torch.Tensor  # (B, S) 1 on real source tokens
+    encoder_states: torch.Tensor  # (B, S, d_model) the verifying model's encoder output
+
+
+@dataclass
+class Draft:
+    """A drafter's guesses for the next call of its rows."""
+
+    tokens: torch.Tensor          # (live, m) draft tokens; those past a row's offer are filler
+    offered: torch.Tensor | None  # (live,) how many of them the row offers; None: all m
 
 
 @dataclass
 class Verified:
-    """What a call settled, per row, for the drafter: every row of the call in `after_call`, the
-    rows that go on in `draft`."""
+    """What a call settled, per row, for the drafter: every row of the call in `host_values` and in
+    an early `draft`, the rows that go on in a late one."""
 
     hidden: torch.Tensor      # (live, d_model) decoder state at the last accepted fed position
     next_token: torch.Tensor  # (live, 1) the model's own token after the accepted ones, fed first next
-    count: torch.Tensor       # (live,) tokens produced, next_token included (its output index + 1)
-    accepted: torch.Tensor    # (live,) draft tokens of this call accepted
-    offered: torch.Tensor | None  # (live,) of them offered; None: all m, or no draft fed (the first call)
-    origin: torch.Tensor      # (live, 1) each row's example
+    count: torch.Tensor       # (live, 1) tokens produced, next_token included (its output index + 1)
+    example: torch.Tensor     # (live,) each row's example (its row in the batch)
+    origin: torch.Tensor      # (live, 1) the same, as a column
     produced: torch.Tensor    # (batch, columns) every example's tokens so far, by output index
 
 
-class DraftAndVerifyDecoder(Decoder):
-    """A decoder whose generation is draft and verify (module docstring); subclasses say where drafts
-    come from. They set `max_new_tokens` and `top_k` (1 = exact) in their constructors."""
+def capped(lengths: torch.Tensor | None, draft: Draft) -> Draft:
+    """`draft` with each row's offer cut to its adaptive length (`lengths`; None: the fixed length,
+    nothing cut)."""
+    if lengths is None:
+        return draft
+    return Draft(draft.tokens, lengths if draft.offered is None else torch.minimum(draft.offered, lengths))
+
+
+# What the loop counts of every drafter's drafts, summed over a decode (its `stats` keys).
+LOOP_COUNTERS = (
+    "draft_tokens_offered",      # draft tokens offered to the model (a row's filler past them excluded)
+    "draft_tokens_accepted",     # of those, accepted by the model (past an end token or bound too)
+    "calls_with_draft",          # decoder calls of an example that offered at least one draft token
+    "drafts_cut_at_separator",   # drafts not wholly accepted where the model wrote the separator
+)
+
+DraftState = TypeVar("DraftState")
+
+
+class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
+    """A decoder whose generation is draft and verify (module docstring): a drafter, which says where
+    drafts come from, around the one verify loop (`VerifyLoop`). Registering a drafter is one
+    subclass: `draft_width` and `draft`, and where it needs them `begin_drafts`, `host_values` and
+    `drafter_counters`. Its options include `max_new_tokens`, and `top_k` (1 = exact) where it
+    relaxes acceptance."""
 
     max_new_tokens: int
     top_k: int = 1
@@ -212,161 +247,236 @@ class DraftAndVerifyDecoder(Decoder):
     def inexact(cls, options) -> bool:
         return int(options.get("top_k", 1)) > 1
 
-    def begin_drafts(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     encoder_states: torch.Tensor) -> Any:
-        """Per-decode state of the drafter (None by default), passed to every `draft` call."""
+    def begin_drafts(self, model, source: Source) -> DraftState:
+        """The drafter's state over one decode, set up once and passed to every other hook (None by
+        default)."""
         return None
 
-    def after_call(self, state: Any, verified: Verified) -> torch.Tensor | None:
-        """What the drafter does with a call's outcome, for every row of the call, before the call's
-        host sync: count what it verified, and return (j, live) longs that the next `draft` needs on
-        the host (its shapes, which rows to draft again), read back with that one sync; None (the
-        default) when it needs none."""
+    def host_values(self, state: DraftState, verified: Verified) -> dict[str, torch.Tensor] | None:
+        """What the next `draft` needs on the host, by name: (live,) longs for every row of the call,
+        read back with the call's one host sync (aggressive: which rows to draft again, and their
+        shapes). None (the default): the drafter needs nothing there, and drafts before the sync."""
         return None
 
     @abc.abstractmethod
-    def draft(self, model, state: Any, verified: Verified,
-              host: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next call's drafts for the rows of `verified`: (live, m) tokens, and (live,) how many
-        of them are offered (the rest are filler that is never accepted), or None when all m are.
-        `host` holds those rows' columns of what `after_call` returned, as j lists; a drafter whose
-        `after_call` returns None gets None, and is asked before the call's sync, for every row of
-        the call (those that end then included)."""
+    def draft(self, model, state: DraftState, verified: Verified,
+              host: dict[str, list[int]] | None) -> Draft:
+        """The next call's drafts for the rows of `verified`. `host` holds those rows' entries of
+        what `host_values` named; a drafter that needs none gets None, and is asked before the call's
+        sync, for every row of the call (those that end then included)."""
         raise NotImplementedError
 
-    def draft_counters(self, state: Any) -> dict[str, torch.Tensor]:
-        """Device counters of the drafter (0-dim tensors), read back with the outputs into `stats`."""
+    def drafter_counters(self, state: DraftState) -> dict[str, float]:
+        """The drafter's own counters of a decode (host values), reported in `stats` beside the
+        loop's (`LOOP_COUNTERS`)."""
         return {}
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        m, end, bound = self.draft_width, self.special.eos, self.max_new_tokens
-        k = m + 1                                                    # tokens fed per call
+        loop = VerifyLoop(self, model, input_ids, attention_mask)
+        while True:
+            verified, accepted, first_end = loop.accept(loop.feed())
+            done, early, host = loop.settle(verified, accepted, first_end)
+            if not loop.go_on(done, verified, early, host):
+                return loop.output()
+
+
+@dataclass
+class Rows:
+    """The live rows of a decode, in the order of the call: device tensors and host lists."""
+
+    fed: torch.Tensor             # (live, Q) each row's last token, then its draft
+    draft: Draft | None           # what `fed` holds after its first token; None at the first call
+    count: torch.Tensor           # (live, 1) tokens produced: the first fed token's position
+    lengths: torch.Tensor | None  # (live,) each row's adaptive draft length; None: fixed
+    examples: list[int]           # host: each row's example
+    counts: list[int]             # host: the same as `count`
+
+
+def bias_tables(model, bound: int, k: int, device: torch.device) -> tuple[HeadTable, dict]:
+    """T5's bias of every distance a call can meet, made once per decode (each call only gathers
+    from it), and per number of fed tokens Q (1 .. k) the call's index tables: each token's fed index
+    (Q,), the distances fed index - slot with each head's base added (heads, Q, slots) and Q itself
+    (0-dim: "no end token among them"). Query positions reach bound + k - 2; a slot in a query's
+    future (a negative distance, down to -(bound + k)) reads a hidden entry, the dtype's lowest."""
+    far = bound + k
+    past = past_distance_bias_table(model, far)                     # (far + 1, heads): 0..far
+    hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
+    table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
+    return table, {queries: (fed_offset, table.base + query_minus_slot, no_end)
+                   for queries, (fed_offset, query_minus_slot, no_end)
+                   in call_index_tables(k, far, device).items()}
+
+
+class VerifyLoop:
+    """One decode of a batch by draft and verify (module docstring), in phases: `feed` (one decoder
+    call), `accept` (on the device: what each row keeps), `settle` (the call's one host sync, and
+    what the host decides from it), `go_on` (drop the finished rows, feed the rest their drafts)."""
+
+    def __init__(self, drafter: DraftAndVerifyDecoder, model, input_ids, attention_mask):
+        self.drafter, self.model, self.run = drafter, model, drafter.model_step()
+        self.bound, self.width = drafter.max_new_tokens, drafter.draft_width
+        k = self.width + 1                                           # tokens fed per call, at most
         batch_size, device = input_ids.size(0), input_ids.device
-        encoder_states = encode(model, input_ids, attention_mask)   # (B, S, d_model), once
-        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
-        drafts_state = self.begin_drafts(model, input_ids, attention_mask, encoder_states)
-        # T5's bias of every distance a call can meet, made once; each call only gathers from it.
-        # Query positions reach bound + k - 2; a slot in a query's future (a negative distance, down
-        # to -(bound + k)) reads a hidden entry, the dtype's lowest value.
-        far = bound + k
-        past = past_distance_bias_table(model, far)                 # (far + 1, heads): 0..far
-        hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
-        table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
-        most_slots = bound + k                  # a live row's count < bound, and it writes k slots
-        # the distances with each head's base added: a call adds its rows' counts and reads
-        per_queries = {queries: (fed_offset, table.base + query_minus_slot, no_end)  # (heads, Q, slots)
-                       for queries, (fed_offset, query_minus_slot, no_end)
-                       in call_index_tables(k, most_slots, device).items()}
-        rows = LiveRows(batch_size, device)
-        row_index = rows.index                                       # (live,): 0..live-1
-        origin = row_index[:, None]                                  # (live, 1): each live row's example
-        writes = SlotWrites(origin, origin, width=1, capacity=min(most_slots, 16 + k))
-        cache = row_slot_cache(len(model.decoder.block), writes)
+        self.encoder_states = encode(model, input_ids, attention_mask)       # (B, S, d_model), once
+        self.cross_mask = cross_attention_mask(attention_mask, self.encoder_states.dtype)  # (B, 1, 1, S)
+        self.state = drafter.begin_drafts(model, Source(input_ids, attention_mask, self.encoder_states))
+        self.table, self.per_queries = bias_tables(model, self.bound, k, device)
+        self.most_slots = self.bound + k        # a live row's count < bound, and it writes k slots
+        self.live = LiveRows(batch_size, device)
+        self.positions = self.live.index                             # (live,): 0..live-1
+        self.origin = self.live.index[:, None]                       # (live, 1): each row's example
+        self.writes = SlotWrites(self.origin, self.origin, width=1, capacity=min(self.most_slots, 16 + k))
+        self.cache = row_slot_cache(len(model.decoder.block), self.writes)
         # Per example, by output index, read back once at the end. A live row has produced < bound
         # tokens and writes at most k more.
-        produced = torch.full((batch_size, bound + k - 1), NOT_PRODUCED, dtype=torch.long, device=device)
-        count = torch.zeros(batch_size, dtype=torch.long, device=device)            # (live,) device
-        counts = [0] * batch_size                                                   # the same, host
-        final_counts, calls = [0] * batch_size, [0] * batch_size    # host, per example
-        originals = list(range(batch_size))                          # host: each live row's example
-        fed = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
-        drafts = offered = None                                      # what fed holds after its first token
-        # per row, the draft tokens it may offer (the adaptive schedule); None: always m
-        lengths = torch.full_like(count, m) if self.draft_length == ADAPTIVE else None
-        batch_calls = 0
-        run = self.model_step()
-        while True:
-            queries = fed.size(1)
-            offsets, based_offsets, no_end = per_queries[queries]
-            writes.width = max(counts) + queries
-            if writes.width > writes.capacity:
-                writes.capacity = min(most_slots, 2 * writes.width)
-            writes.slots = count.view(-1, 1) + offsets                               # (live, Q) positions
-            based = count.view(-1, 1, 1, 1) + based_offsets[..., : writes.width]     # (live, heads, Q, W)
-            bias = table.gather(based)                                              # (live, heads, Q, W)
-            hidden = run(model, fed, bias, encoder_states, cross_mask, cache)  # (live, Q, d)
-            batch_calls += 1
+        self.produced = torch.full((batch_size, self.most_slots - 1), NOT_PRODUCED, dtype=torch.long,
+                                   device=device)
+        self.rows = Rows(fed=torch.full((batch_size, 1), drafter.special.start, dtype=torch.long,
+                                        device=device),
+                         draft=None, count=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
+                         lengths=torch.full((batch_size,), self.width, device=device)
+                         if drafter.draft_length == ADAPTIVE else None,
+                         examples=list(range(batch_size)), counts=[0] * batch_size)
+        self.final_counts, self.calls, self.batch_calls = [0] * batch_size, [0] * batch_size, 0
+        self.counters = dict.fromkeys(LOOP_COUNTERS, 0)
 
-            logits = output_logits(model, hidden)                    # (live, Q, V)
-            greedy = logits.argmax(-1)                               # (live, Q): the token after each
-            if drafts is None or drafts.size(1) == 0:   # the first call, or nothing offered
-                accepted = torch.zeros_like(count)
-                tokens = greedy
-            elif self.top_k == 1:
-                accepted = accepted_length(drafts, greedy[:, :-1], offered)
-                tokens = greedy  # an accepted draft token is the argmax before it
-            else:
-                candidates = logits[:, :-1].topk(min(self.top_k, logits.size(-1)), dim=-1).indices
-                accepted = accepted_length(drafts, candidates, offered)
-                tokens = torch.where(offsets < accepted[:, None],
-                                     torch.cat([drafts, greedy[:, -1:]], dim=1), greedy)
-            # every fed index's token goes to its output index; a row's count tells where its output
-            # ends, and the next call overwrites what lies past it
-            produced[origin, writes.slots] = tokens
-            first_end = torch.where(tokens == end, offsets, no_end).amin(dim=1)     # (live,)
-            next_token = greedy.gather(1, accepted[:, None])         # (live, 1)
-            count = count + accepted + 1                             # right for every row that goes on
-            if lengths is not None and drafts is not None:
-                lengths = next_draft_lengths(lengths, offered if offered is not None
-                                             else torch.full_like(lengths, m), accepted, m)
-            last_hidden = hidden[row_index, accepted]                # (live, d_model)
-            verified = Verified(last_hidden, next_token, count, accepted, offered, origin, produced)
-            needs = self.after_call(drafts_state, verified)
-            # A drafter that needs nothing from the host drafts every live row before the sync, which
-            # then also reads how far the drafts reach: the next call feeds no column that no row
-            # offers a token in (on keyphrases and answers, whose first token follows a separator the
-            # source lacks, lookup often offers nothing, and a call then feeds one token per row).
-            early = None if needs is not None else capped(lengths, *self.draft(
-                model, drafts_state, verified, None))
-            settled = [accepted, first_end]
-            if needs is not None:
-                settled += list(needs)
-            elif early[1] is not None:
-                settled.append(early[1])
-            # the one host sync of the call, the drafter's needs (or its drafts' reach) included
-            accepted_host, first_end_host, *more_host = rows.read(torch.stack(settled))
-            done = []
-            for b, example in enumerate(originals):
-                kept, ended = kept_tokens(accepted_host[b], first_end_host[b], bound - counts[b])
-                counts[b] += kept
-                done.append(ended or counts[b] >= bound)
-                if done[-1]:
-                    final_counts[example], calls[example] = counts[b], batch_calls
-            carried = [] if early is None else [early[0], *([] if early[1] is None else [early[1]])]
-            kept_rows = rows.drop(done, cache, encoder_states, cross_mask, count, origin, next_token,
-                                  last_hidden, accepted, *([] if lengths is None else [lengths]),
-                                  *carried, *([] if offered is None else [offered]))
-            if kept_rows is None:
-                break
-            encoder_states, cross_mask, count, origin, next_token, last_hidden, accepted, *rest = kept_rows
-            if lengths is not None:
-                lengths, *rest = rest
-            originals = [originals[b] for b in rows.kept]
-            counts = [counts[b] for b in rows.kept]
-            if len(rows.kept) < len(done):
-                row_index = row_index[: len(rows.kept)]
-                writes.rows = row_index[:, None]
-            if early is not None:
-                drafts, *rest = rest
-                if early[1] is None:   # every draft token offered
-                    offered = None
-                else:
-                    offered, *rest = rest
-                    drafts = drafts[:, : max(more_host[0][b] for b in rows.kept)]
-            else:
-                # drafted after the sync, for the rows that go on only, with the host values they need
-                verified = Verified(last_hidden, next_token, count, accepted, rest[0] if rest else None,
-                                    origin, produced)
-                drafts, offered = capped(lengths, *self.draft(
-                    model, drafts_state, verified, [[column[b] for b in rows.kept] for column in more_host]))
-            fed = torch.cat([next_token, drafts], dim=1)             # (live, 1 .. k)
+    def feed(self) -> torch.Tensor:
+        """One decoder call: every live row's fed tokens written at their positions, attending to the
+        slots before them. Returns (live, Q, d_model) hidden states."""
+        rows, writes = self.rows, self.writes
+        queries = rows.fed.size(1)
+        offsets, based_offsets, _ = self.per_queries[queries]
+        writes.width = max(rows.counts) + queries
+        if writes.width > writes.capacity:
+            writes.capacity = min(self.most_slots, 2 * writes.width)
+        writes.slots = rows.count + offsets                                       # (live, Q) positions
+        based = rows.count.view(-1, 1, 1, 1) + based_offsets[..., : writes.width]  # (live, heads, Q, W)
+        bias = self.table.gather(based)                                         # (live, heads, Q, W)
+        self.batch_calls += 1
+        return self.run(self.model, rows.fed, bias, self.encoder_states, self.cross_mask, self.cache)
 
-        counters = self.draft_counters(drafts_state)
-        read, *counter_values = read_back(produced, *counters.values())   # the one read-back of results
-        outputs = [row[:n] for row, n in zip(read, final_counts)]
+    def accept(self, hidden: torch.Tensor) -> tuple[Verified, torch.Tensor | None, torch.Tensor]:
+        """On the device: each row's accepted draft tokens (live,; None when no draft token was
+        fed), its tokens written to `produced`, the fed index of its first end token among them
+        (live,; Q where there is none), and its count and adaptive length moved on."""
+        rows, drafter = self.rows, self.drafter
+        logits = output_logits(self.model, hidden)                   # (live, Q, V)
+        greedy = logits.argmax(-1)                                   # (live, Q): the token after each
+        if rows.fed.size(1) == 1:   # the first call, or no row offered a draft token
+            self.produced[self.origin, self.writes.slots] = greedy
+            rows.count = rows.count + 1
+            verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
+                                self.produced)
+            return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
+        draft = rows.draft
+        offsets, _, no_end = self.per_queries[rows.fed.size(1)]
+        if drafter.top_k == 1:
+            accepted = accepted_length(draft.tokens, greedy[:, :-1], draft.offered)
+            tokens = greedy  # an accepted draft token is the argmax before it
+        else:
+            candidates = logits[:, :-1].topk(min(drafter.top_k, logits.size(-1)), dim=-1).indices
+            accepted = accepted_length(draft.tokens, candidates, draft.offered)
+            tokens = torch.where(offsets < accepted[:, None],
+                                 torch.cat([draft.tokens, greedy[:, -1:]], dim=1), greedy)
+        # every fed index's token goes to its output index; a row's count tells where its output
+        # ends, and the next call overwrites what lies past it
+        self.produced[self.origin, self.writes.slots] = tokens
+        first_end = torch.where(tokens == drafter.special.eos, offsets, no_end).amin(dim=1)  # (live,)
+        accepted_column = accepted[:, None]                          # (live, 1)
+        next_token = greedy.gather(1, accepted_column)               # (live, 1)
+        rows.count = rows.count + accepted_column + 1                # right for every row that goes on
+        if rows.lengths is not None:
+            offered = draft.offered if draft.offered is not None else torch.full_like(accepted, self.width)
+            rows.lengths = next_draft_lengths(rows.lengths, offered, accepted, self.width)
+        verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
+                            self.origin, self.produced)
+        return verified, accepted, first_end
+
+    def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
+        """The call's one host sync, and what the host decides from it: the tokens each row keeps,
+        which rows are done, the drafts counted. A drafter that needs nothing on the host drafts
+        every row first, and the sync also reads how far those drafts reach (on keyphrases and
+        answers, whose first token follows a separator the source lacks, lookup often offers
+        nothing: the next call then feeds one token per row). Returns the rows that are done, the
+        early draft (or None) and the host values of the drafter (or of the early draft's offers)."""
+        rows, drafter = self.rows, self.drafter
+        needs = drafter.host_values(self.state, verified)
+        early = None if needs is not None else capped(rows.lengths, drafter.draft(
+            self.model, self.state, verified, None))
+        if early is not None and early.offered is not None:
+            needs = {"offered": early.offered}
+        drafted = accepted is not None                              # draft tokens were fed
+        fed_offers = rows.draft.offered if drafted else None
+        read = [first_end, *([accepted, verified.next_token.view(-1)] if drafted else []),
+                *([] if fed_offers is None else [fed_offers]), *(needs or {}).values()]
+        first_end_host, *rest = self.live.read(torch.stack(read))
+        accepted_host = rest.pop(0) if drafted else [0] * len(first_end_host)
+        if drafted:
+            next_host = rest.pop(0)
+            self.count_drafts(accepted_host, next_host, rest.pop(0) if fed_offers is not None
+                              else [self.width] * len(accepted_host))
+        done = []
+        for row, example in enumerate(rows.examples):
+            kept, ended = kept_tokens(accepted_host[row], first_end_host[row], self.bound - rows.counts[row])
+            rows.counts[row] += kept
+            done.append(ended or rows.counts[row] >= self.bound)
+            if done[-1]:
+                self.final_counts[example], self.calls[example] = rows.counts[row], self.batch_calls
+        return done, early, dict(zip(needs or {}, rest))
+
+    def count_drafts(self, accepted: list[int], next_tokens: list[int], offered: list[int]) -> None:
+        """Add a call's drafts to `counters` (host values, one per row of the call)."""
+        sep = self.drafter.special.sep
+        self.counters["draft_tokens_offered"] += sum(offered)
+        self.counters["draft_tokens_accepted"] += sum(accepted)
+        self.counters["calls_with_draft"] += sum(offer > 0 for offer in offered)
+        # the model's own token sits at the first rejected place of a draft not wholly accepted
+        self.counters["drafts_cut_at_separator"] += sum(
+            taken < offer and token == sep for taken, offer, token in zip(accepted, offered, next_tokens))
+
+    def go_on(self, done: list[bool], verified: Verified, early: Draft | None,
+              host: dict[str, list[int]]) -> bool:
+        """Drop the rows that are done (from the batch, the cache and every row tensor) and feed the
+        rest their model's token and next draft; False when no row is left."""
+        rows = self.rows
+        carried = {"count": rows.count, "lengths": rows.lengths, "next_token": verified.next_token,
+                   "hidden": verified.hidden, "draft": None if early is None else early.tokens,
+                   "offered": None if early is None else early.offered}
+        carried = {name: tensor for name, tensor in carried.items() if tensor is not None}
+        kept_tensors = self.live.drop(done, self.cache, self.encoder_states, self.cross_mask,
+                                      *carried.values())
+        if kept_tensors is None:
+            return False
+        self.encoder_states, self.cross_mask, *values = kept_tensors
+        kept, carried = self.live.kept, dict(zip(carried, values))
+        rows.count, rows.lengths = carried["count"], carried.get("lengths")
+        rows.examples, rows.counts = [rows.examples[r] for r in kept], [rows.counts[r] for r in kept]
+        if len(kept) < len(done):
+            self.positions = self.positions[: len(kept)]
+            self.origin = self.live.index[:, None]
+            self.writes.rows = self.positions[:, None]
+        if early is not None:
+            draft = Draft(carried["draft"], carried.get("offered"))
+            if draft.offered is not None:    # no column past the longest offer
+                draft.tokens = draft.tokens[:, : max(host["offered"][r] for r in kept)]
+        else:   # drafted after the sync, for the rows that go on only, with the host values they need
+            verified = Verified(carried["hidden"], carried["next_token"], rows.count, self.live.index,
+                                self.origin, self.produced)
+            draft = capped(rows.lengths, self.drafter.draft(
+                self.model, self.state, verified, {name: [column[r] for r in kept]
+                                                   for name, column in host.items()}))
+        rows.draft, rows.fed = draft, torch.cat([carried["next_token"], draft.tokens], dim=1)  # (live, 1 .. k)
+        return True
+
+    def output(self):
+        """The decode's `DecodeOutput`, from the one read-back of every example's tokens."""
+        read, = read_back(self.produced)
+        outputs = [row[:n] for row, n in zip(read, self.final_counts)]
         return flat_decode_output(
-            outputs, self.special, calls, batch_calls,
-            stats={"accepted_tokens": float(sum(final_counts)), self.calls_stat: float(sum(calls)),
-                   **{name: float(value[0] if isinstance(value, list) else value)
-                      for name, value in zip(counters, counter_values)}})
+            outputs, self.drafter.special, self.calls, self.batch_calls,
+            stats={"accepted_tokens": float(sum(self.final_counts)),
+                   self.drafter.calls_stat: float(sum(self.calls)),
+                   **{name: float(value) for name, value in self.counters.items()},
+                   **{name: float(value)
+                      for name, value in self.drafter.drafter_counters(self.state).items()}})

@@ -30,17 +30,9 @@ import torch
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.drafts import DRAFT_LENGTH, DraftAndVerifyDecoder, Verified
+from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.loop import NOT_PRODUCED
 from decoders.sequential import SequentialDecoder
-
-# the `stats` keys of `draft_counters`, in the order of `SourceLookup.counts`
-COUNTER_NAMES = (
-    "draft_tokens_offered",      # draft tokens fed to the model (a row's filler past them excluded)
-    "draft_tokens_accepted",     # of those, accepted by the model (past an end token or bound too)
-    "calls_with_draft",          # decoder calls of an example that offered at least one draft token
-    "drafts_cut_at_separator",   # drafts not wholly accepted where the model wrote the separator
-)
 
 
 @dataclass
@@ -50,16 +42,16 @@ class SourceLookup:
 
     windows: torch.Tensor        # (B, S, match) tokens of each window; NOT_PRODUCED in every window
                                  # that is not wholly real or is followed by no real token
-    continuations: torch.Tensor  # (B, S + 1, m) the tokens after each window (padding past the source)
-    offered: torch.Tensor        # (B, S + 1) how many of those are real source tokens (0..m); entry S,
-                                 # past the source, offers none: what a row without a hit reads
-    window_index: torch.Tensor   # (S,) 0..S-1
+    continuations: torch.Tensor  # (B, 1 + S, m) the tokens after window j at entry 1 + j (padding
+                                 # past the source); entry 0 is what a row without a hit reads
+    offered: torch.Tensor        # (B, 1 + S) how many of those are real source tokens (0..m); entry 0
+                                 # offers none
+    window_entry: torch.Tensor   # (S,) 1..S: each window's entry
     last_offsets: torch.Tensor   # (match,) -match..-1: output indices of the last tokens, from a count
-    counts: torch.Tensor         # (4,) the counters named by COUNTER_NAMES
 
 
 @register("lookup")
-class LookupDecoder(DraftAndVerifyDecoder):
+class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
     calls_stat = "lookup_calls"
@@ -80,11 +72,12 @@ class LookupDecoder(DraftAndVerifyDecoder):
     def draft_width(self) -> int:
         return self.draft_tokens
 
-    def begin_drafts(self, model, input_ids, attention_mask, encoder_states) -> SourceLookup:
+    def begin_drafts(self, model, source: Source) -> SourceLookup:
         m, n = self.draft_tokens, self.match
+        input_ids, attention_mask = source.input_ids, source.attention_mask
         sources = input_ids.size(1)                                          # S
         # past the source, n + m padding slots (never real): every window has m tokens after it,
-        # and one more continuation, S, offers none
+        # and one more continuation, past the source, offers none: it moves to entry 0
         tail = (input_ids.size(0), n + m)
         padded = torch.cat([input_ids, input_ids.new_full(tail, self.special.pad)], dim=1)  # (B, S + n + m)
         real = torch.cat([attention_mask.bool(), attention_mask.new_zeros(tail, dtype=torch.bool)],
@@ -92,36 +85,23 @@ class LookupDecoder(DraftAndVerifyDecoder):
         continuations = padded[:, n:].unfold(1, m, 1)                        # (B, S + 1, m)
         # the leading real tokens of each continuation: what a draft from there may offer
         offered = real[:, n:].unfold(1, m, 1).long().cummin(dim=2).values.sum(dim=2)   # (B, S + 1)
-        windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
         usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
+        windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
         # an unusable window never equals produced tokens (all >= 0)
         windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
         device = input_ids.device
-        return SourceLookup(windows, continuations, offered, torch.arange(sources, device=device),
-                            torch.arange(-n, 0, device=device),
-                            torch.zeros(len(COUNTER_NAMES), dtype=torch.long, device=device))
+        return SourceLookup(windows, continuations.roll(1, dims=1), offered.roll(1, dims=1),
+                            torch.arange(1, sources + 1, device=device), torch.arange(-n, 0, device=device))
 
-    def draft(self, model, state: SourceLookup, verified: Verified, host):
-        example = verified.origin.view(-1)                                   # (live,)
-        # each row's last `match` output tokens, the model's newest one last
-        last_indices = (verified.count.view(-1, 1) + state.last_offsets).clamp(min=0)  # (live, match)
+    def draft(self, model, state: SourceLookup, verified: Verified, host) -> Draft:
+        example = verified.example                                          # (live,)
+        # each row's last `match` output tokens, the model's newest one last (a row that has
+        # produced fewer reads a negative index, and is masked below)
+        last_indices = verified.count + state.last_offsets                   # (live, match)
         last = verified.produced[verified.origin, last_indices]              # (live, match)
         hits = (state.windows[example] == last[:, None]).all(dim=2)          # (live, S)
         if self.match > 1:  # a row that has produced fewer tokens has none to look up yet
-            hits &= (verified.count >= self.match)[:, None]
-        # the latest hit; none (-1) reads the last entry, past the source, which offers nothing
-        latest = torch.where(hits, state.window_index, -1).amax(dim=1)       # (live,)
-        return state.continuations[example, latest], state.offered[example, latest]  # (live, m), (live,)
-
-    def after_call(self, state: SourceLookup, verified: Verified) -> None:
-        """Add the call's verified drafts to the counters (nothing at the first call, which fed
-        none); drafting needs nothing on the host."""
-        fed = verified.offered                                               # (live,) or None
-        if fed is None:
-            return
-        # the model's own token sits at the first rejected place of a draft not wholly accepted
-        cut_at_separator = (verified.accepted < fed) & (verified.next_token.view(-1) == self.special.sep)
-        state.counts += torch.stack([fed, verified.accepted, fed > 0, cut_at_separator]).sum(dim=1)
-
-    def draft_counters(self, state: SourceLookup) -> dict[str, torch.Tensor]:
-        return dict(zip(COUNTER_NAMES, state.counts))
+            hits &= verified.count >= self.match
+        # the latest hit's entry; none reads entry 0, which offers nothing
+        latest = (hits * state.window_entry).amax(dim=1)                     # (live,)
+        return Draft(state.continuations[example, latest], state.offered[example, latest])  # (live, m), (live,)

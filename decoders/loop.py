@@ -3,6 +3,9 @@ decoder call, reading results back once at the end, and splitting flat-layout ou
 `DecodeOutput`."""
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
@@ -120,3 +123,32 @@ class LiveRows:
         """Read back `finished` (live,) bool (`read`) and drop the finished rows (`drop`). Returns
         the kept tensors, or None when no row is left."""
         return self.drop(self.read(finished), cache, *row_tensors)
+
+
+class Stopwatch:
+    """Time spent in some blocks of a decode, measured without a host sync: on a GPU each block is
+    timed by a pair of CUDA events on the current stream, read only after the decode's final
+    read-back has waited for them (`total`); elsewhere by the host clock, the work being done when
+    the block ends."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.spans: list[tuple] = []      # (start, end) CUDA events
+        self.seconds = 0.0                # host-clock time
+
+    @contextmanager
+    def timing(self):
+        if self.events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - began
+
+    def total(self) -> float:
+        """Seconds in the timed blocks; on a GPU, only after the decode's work was waited for."""
+        return self.seconds + sum(start.elapsed_time(end) for start, end in self.spans) / 1000

@@ -187,14 +187,16 @@ class NarDecisions:
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices
         self.lengths = (order[:, :self.candidates] + 1).reshape(-1)
 
-    def tokens_to_remask(self, confidence, lengths, iteration, iterations):
+    def tokens_to_remask(self, confidence, lengths, iteration, iterations, given=None):
         """`decoders.nar.tokens_to_remask`, recording the gap between the last re-masked and the
-        first kept confidence of every row."""
-        remask = self.remask(confidence, lengths, iteration, iterations)
-        count = torch.div(lengths * (iterations - iteration), iterations, rounding_mode="floor")
-        for row, (length, remasked) in enumerate(zip(lengths.tolist(), count.tolist())):
-            if 0 < remasked < length:
-                ordered = confidence[row, :length].sort().values
+        first kept confidence of every row's free (not given) positions."""
+        remask = self.remask(confidence, lengths, iteration, iterations, given)
+        starts = [0] * len(lengths) if given is None else given.tolist()
+        for row, (start, length) in enumerate(zip(starts, lengths.tolist())):
+            free = length - start
+            remasked = free * (iterations - iteration) // iterations
+            if 0 < remasked < free:
+                ordered = confidence[row, start:length].sort().values
                 self.decision_gaps.append(ordered[remasked] - ordered[remasked - 1])
         self.remasked.append(remask)
         return remask

@@ -359,7 +359,8 @@ def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
         assert rows[label]["training"] == "none: sequential model, nar row's drafter"
         drafts = rows[label]["drafts"]
         assert 0 <= drafts["draft_tokens_accepted_per_call"] <= drafts["draft_tokens_offered_per_call"]
-        assert drafts["redrafts_per_call"] >= 0 and "drafts_cut_at_separator_per_call" not in drafts
+        assert drafts["redrafts_per_call"] >= 0 and drafts["drafts_cut_at_separator_per_call"] >= 0
+        assert 0 < drafts["drafter_time_share"] < 1
     assert [rows[label]["inexact"] for label in rows] == [False, False, True, False]
     assert rows["sequential"]["drafts"] is None and rows["nar"]["drafts"] is None
     table = out.with_suffix(".md").read_text()

@@ -207,7 +207,11 @@ def test_full_acceptance(block_size):
     assert out.tokens == [len(CHAIN)] * 3
     expected_calls = 1 + -(-(len(CHAIN) - 1) // block_size)
     assert out.decoder_calls == [expected_calls] * 3 and out.batch_decoder_calls == expected_calls
-    assert out.stats == {"accepted_tokens": 3.0 * len(CHAIN), "blockwise_iterations": 3.0 * expected_calls}
+    later_calls = 3 * (expected_calls - 1)     # every call of the 3 rows after their first
+    offered = (block_size - 1) * later_calls
+    assert out.stats == {"accepted_tokens": 3.0 * len(CHAIN), "blockwise_iterations": 3.0 * expected_calls,
+                         "draft_tokens_offered": offered, "draft_tokens_accepted": offered,
+                         "calls_with_draft": later_calls, "drafts_cut_at_separator": 0}
 
 
 @pytest.mark.parametrize("wrong_at", [0, 1, 2])
@@ -216,7 +220,11 @@ def test_partial_and_no_acceptance(wrong_at):
     sequential decoding), and the output is still the greedy chain."""
     out, *_ = run_rigged(4, wrong_at=wrong_at)
     assert out.subsequences == [[CHAIN[:-1]]] * 3
-    assert out.decoder_calls == [1 + -(-(len(CHAIN) - 1) // (wrong_at + 1))] * 3
+    calls = 1 + -(-(len(CHAIN) - 1) // (wrong_at + 1))
+    assert out.decoder_calls == [calls] * 3
+    # the loop counts the 3 proposals of every later call, and the j accepted of them
+    assert out.stats["draft_tokens_offered"] == 3 * 3 * (calls - 1)
+    assert out.stats["draft_tokens_accepted"] == wrong_at * 3 * (calls - 1)
 
 
 def test_max_new_tokens_cuts_inside_a_block():

@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from decoders import available, build_decoder
-from decoders.loop import send, split_flat_output
+from decoders.loop import Stopwatch, send, split_flat_output
 from tasks import fit, test as test_command
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, first_batch_where, tiny_t5
@@ -53,6 +53,20 @@ def test_send_does_not_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sent.device.type == "cuda" and sent.tolist() == [[2, 7], [1, 8]]
+
+
+def test_a_stopwatch_times_device_work_without_synchronizing():
+    clock = Stopwatch(CUDA)
+    x = torch.randn(2048, 2048, device=CUDA)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with clock.timing():
+            for _ in range(10):
+                x = x @ x / 2048
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()   # what a decode's final read-back does
+    assert clock.total() > 0 and clock.seconds == 0
 
 
 @pytest.mark.parametrize("name", EXACT)

@@ -12,7 +12,7 @@ import torch
 
 from decoders import available, build_decoder, decoder_class
 from decoders.base import Decoder
-from decoders.drafts import ADAPTIVE, FIXED, DraftAndVerifyDecoder, next_draft_lengths
+from decoders.drafts import ADAPTIVE, FIXED, LOOP_COUNTERS, DraftAndVerifyDecoder, next_draft_lengths
 from decoders.loop import split_flat_output
 from tasks.bench import bounded, with_drafter
 from tests.conftest import (SPECIAL, assert_same_output, briefly_trained, first_batch_where,
@@ -43,6 +43,20 @@ def assert_greedy(decoder, model, input_ids, attention_mask):
     assert out.subsequences == [subsequences for subsequences, _ in expected]
     assert out.hit_max_steps == [not ended for _, ended in expected]
     return out
+
+
+def assert_drafts_counted(out, decoder):
+    """The loop's counters of a decode (`LOOP_COUNTERS`) agree with its outputs: every call after a
+    row's first offers at most m draft tokens, at most the offered ones are accepted, and a row's
+    tokens are what its calls accepted plus one per call, less what an end token or the bound cut."""
+    stats = out.stats
+    assert set(LOOP_COUNTERS) <= set(stats)
+    later_calls = sum(out.decoder_calls) - len(out.tokens)
+    assert stats["calls_with_draft"] <= later_calls
+    assert stats["draft_tokens_offered"] <= decoder.draft_width * later_calls
+    assert 0 <= stats["draft_tokens_accepted"] <= stats["draft_tokens_offered"]
+    assert stats["drafts_cut_at_separator"] <= stats["calls_with_draft"]
+    assert sum(out.decoder_calls) <= sum(out.tokens) <= stats["draft_tokens_accepted"] + sum(out.decoder_calls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +90,8 @@ def test_a_random_model_decodes_greedily(name, seed, length):
         """outputs of 3 or more lengths, one of them ended by its end token"""
         out = decoder.generate(model, input_ids, attention_mask)
         return len(set(out.tokens)) >= 3 and not all(out.hit_max_steps)
-    assert_greedy(decoder, model, *first_batch_where(varied, 6, seed=seed + 30))
+    assert_drafts_counted(assert_greedy(decoder, model, *first_batch_where(varied, 6, seed=seed + 30)),
+                          decoder)
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -92,6 +107,8 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     input_ids, attention_mask = first_batch_where(accepting, 8, max_len=9, seed=60, tries=40)
     out = assert_greedy(decoder, model, input_ids, attention_mask)
     assert sum(accepted_per_row(out)) > 0
+    assert_drafts_counted(out, decoder)
+    assert out.stats["draft_tokens_accepted"] >= sum(accepted_per_row(out)) > 0
 
 
 def test_the_adaptive_length_grows_after_a_whole_draft_and_shrinks_after_a_cut_one():

@@ -1,9 +1,11 @@
 """`decoders.loop`: host values reach the batch's device in one copy (`send`), which on a GPU must
 not wait for the work already queued there (tests/test_cuda.py); `LiveRows` drops finished rows."""
+import time
+
 import pytest
 import torch
 
-from decoders.loop import LiveRows, send
+from decoders.loop import LiveRows, Stopwatch, send
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -22,3 +24,12 @@ def test_dropped_rows_leave_every_row_tensor_and_the_index():
     assert kept.tolist() == [10, 12]
     assert rows.index.tolist() == [0, 2] and rows.kept == [0, 2]
     assert rows.drop([True, True], None, kept) is None
+
+
+def test_a_stopwatch_adds_up_the_time_of_its_blocks_only():
+    clock = Stopwatch(torch.device("cpu"))
+    for _ in range(2):
+        with clock.timing():
+            time.sleep(0.02)
+        time.sleep(0.05)      # outside a block: not counted
+    assert 0.04 <= clock.total() < 0.09

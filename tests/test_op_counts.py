@@ -54,6 +54,28 @@ def test_only_the_hooked_modules_count_as_the_model_and_hooks_are_removed():
     assert not outer.inner._forward_pre_hooks and not outer.inner._forward_hooks
 
 
+class Drafting:
+    """A stand-in drafter: one method of 2 ops, and a model of its own."""
+
+    def __init__(self):
+        self.model = AddOnes(4)
+
+    def draft(self, x):
+        return self.model(x.neg()).abs()
+
+
+def test_a_drafters_methods_and_modules_count_as_the_drafters_and_are_restored():
+    drafter, verifier, x = Drafting(), AddOnes(3), torch.zeros(2)
+    method = drafter.draft
+    with op_counts.counting_ops([verifier], ([drafter.model], [(drafter, "draft")])) as counter:
+        x = verifier(x)                  # model: 3
+        x = drafter.draft(x)             # drafter: 2 + 4
+        x = drafter.model(x) * 2         # drafter: 4 (its module), loop: 1
+    assert (counter.model, counter.drafter, counter.loop) == (3, 10, 1)
+    assert drafter.draft == method and "draft" not in vars(drafter)
+    assert not drafter.model._forward_pre_hooks
+
+
 @pytest.mark.numerics  # decodes a random model: see docs/testing.md
 def test_command_counts_every_decoder(tmp_path, capsys):
     out = tmp_path / "ops.json"
@@ -65,6 +87,8 @@ def test_command_counts_every_decoder(tmp_path, capsys):
         assert set(rows) == {GENERATE, *available()}
         for name, row in rows.items():
             assert row["decoder_calls"] >= 1 and row["model_ops"] > 0 and row["loop_ops"] > 0, name
+            # only a decoder drafting with a model of its own runs drafter ops
+            assert (row["drafter_ops"] > 0) == (name == "aggressive"), name
         # one token per call with a bias gathered from a table, against the bookkeeping of
         # several subsequences per call
         assert rows["sequential"]["loop_per_call"] < rows["pipelined"]["loop_per_call"], batch_size
@@ -73,10 +97,12 @@ def test_command_counts_every_decoder(tmp_path, capsys):
 @pytest.mark.slow   # every decoder at the command's own settings: most of a minute
 def test_the_parallel_decoders_loops_stay_within_their_op_bounds(tmp_path):
     """At the settings results/op_counts.md is made with (batch sizes 1 and 8, every bound 32),
-    pipelined's and blockwise's loops run at most 40 ops per decoder call and nar's at most 60
+    the loops of pipelined and of the draft-and-verify decoders blockwise and lookup run at most 40
+    ops per decoder call, and those of nar and aggressive (its drafter's own work apart) at most 60
     (docs/performance.md): a loop that grows past them fails here, not only in the table."""
     result = op_counts.main(["--out", str(tmp_path / "ops.json")])
     assert {str(batch_size) for batch_size in result} == {"1", "8"}
     for batch_size, rows in result.items():
-        for name, bound in (("pipelined", 40), ("blockwise", 40), ("nar", 60)):
+        for name, bound in (("pipelined", 40), ("blockwise", 40), ("lookup", 40), ("nar", 60),
+                            ("aggressive", 60)):
             assert rows[name]["loop_per_call"] <= bound, (name, batch_size, rows[name]["loop_per_call"])

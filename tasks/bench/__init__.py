@@ -73,14 +73,14 @@ def with_drafter(decoder, model):
 
 
 def counted_decodes(model, input_ids, attention_mask, steps: int,
-                    counting: Callable[[], ContextManager]) -> dict[str, tuple[object, int]]:
+                    counting: Callable[[object], ContextManager]) -> dict[str, tuple[object, int]]:
     """{name: (counter, decoder calls)} for transformers' greedy `generate` and every registered
-    decoder, each decoding the batch once with every bound `steps` inside `counting()`, whose
-    yielded counter is returned. Each decoder decodes the batch once before it is counted, so that
+    decoder, each decoding the batch once with every bound `steps` inside `counting(decoder)` (the
+    decoder; None for `generate`), whose yielded counter is returned. Each decoder decodes the batch once before it is counted, so that
     lazy initialisations are not; `generate`'s calls are its generated length."""
     results = {}
     with torch.no_grad():
-        with counting() as counter:
+        with counting(None) as counter:
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                  num_beams=1, max_new_tokens=steps)
         results[GENERATE] = (counter, out.size(1) - 1)
@@ -88,7 +88,7 @@ def counted_decodes(model, input_ids, attention_mask, steps: int,
             decoder = with_drafter(build_decoder(name, model.config, SPECIAL, **bounded(name, steps)),
                                    model).eval()
             decoder.generate(model, input_ids, attention_mask)
-            with counting() as counter:
+            with counting(decoder) as counter:
                 out = decoder.generate(model, input_ids, attention_mask)
             results[name] = (counter, out.batch_decoder_calls)
     return results

@@ -9,8 +9,13 @@ split in two:
 - model: calls made inside the forward of the T5 modules every decoder runs: the encoder, the
   decoder's token embedding, each decoder block, the decoder's final norm and the output head
   (`model_modules`). Forward hooks keep a depth count, so a module called inside another counts once.
+- drafter: for a decoder that drafts with a model of its own (aggressive's Mask-Predict drafter),
+  every call made while it drafts (`drafter_work`): its first draft and its re-drafts, the drafter
+  model's passes and their inputs: a decoding by another model, whose loop the `nar` row counts on
+  its own.
 - loop: every other call: the decoding loop's bookkeeping, its attention biases and masks, and the
-  glue between the model's parts (for `generate`, transformers' own loop and mask building).
+  glue between the model's parts (for `generate`, transformers' own loop and mask building); for a
+  drafting decoder, the drafts' verification and which rows to draft again.
 Divided by the decoder calls the batch took (`tasks.bench.counted_decodes`). The model is `tasks.bench`'s tiny random T5; a batch of size B is the B
 examples of one random batch of the largest size that `generate` decodes longest
 (`longest_decoding`), so that a small batch's count is not one decode's set-up spread over a
@@ -31,44 +36,86 @@ from tasks.cli import show_report
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts ATen calls, as `model` while `depth` > 0 (some hooked module's forward is running)
-    and as `loop` otherwise."""
+    """Counts ATen calls: as `drafter` while `drafting` > 0 (the drafter's model or passes are
+    running), else as `model` while `depth` > 0 (some hooked module's forward is running), and as
+    `loop` otherwise."""
 
     def __init__(self):
         super().__init__()
-        self.depth = 0
-        self.model = 0
-        self.loop = 0
+        self.depth = self.drafting = 0
+        self.model = self.drafter = self.loop = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.depth > 0:
+        if self.drafting > 0:
+            self.drafter += 1
+        elif self.depth > 0:
             self.model += 1
         else:
             self.loop += 1
         return func(*args, **(kwargs or {}))
 
 
+def drafter_work(decoder) -> tuple[list[nn.Module], list[tuple[object, str]]]:
+    """What a decoder that drafts with a model of its own (an `attached` drafter: aggressive) runs
+    as that drafter: the drafter model's modules, and the methods that draft: the decoder's first
+    draft and re-drafts, the drafter's Mask-Predict passes. Nothing for any other decoder."""
+    attached = getattr(decoder, "attached", None)
+    if attached is None:
+        return [], []
+    nar, nar_model = attached
+    return model_modules(nar_model), [(decoder, "begin_drafts"), (decoder, "redraft"),
+                                      (nar, "mask_predict"), (nar, "predict_outputs")]
+
+
 @contextmanager
-def counting_ops(modules: Iterable[nn.Module]) -> Iterator[OpCounter]:
+def counting_ops(modules: Iterable[nn.Module],
+                 drafter: tuple[list[nn.Module], list[tuple[object, str]]] = ([], [])
+                 ) -> Iterator[OpCounter]:
     """Yields an `OpCounter` for the block, whose calls inside the forward of any of `modules`
-    count as the model's."""
+    count as the model's, and those inside the forward of the drafter's modules or one of its
+    (object, method name) pairs (`drafter_work`) as the drafter's."""
     counter = OpCounter()
 
-    def enter(module, args):
-        counter.depth += 1
+    def entering(depth: str):
+        def enter(*args):
+            setattr(counter, depth, getattr(counter, depth) + 1)
+        return enter
 
-    def leave(module, args, output):
-        counter.depth -= 1
+    def leaving(depth: str):
+        def leave(*args):
+            setattr(counter, depth, getattr(counter, depth) - 1)
+        return leave
 
-    handles = []
+    def hook(hooked: Iterable[nn.Module], depth: str) -> list:
+        return [handle for module in hooked
+                for handle in (module.register_forward_pre_hook(entering(depth)),
+                               module.register_forward_hook(leaving(depth)))]
+
+    drafter_modules, drafter_methods = drafter
+    handles = hook(modules, "depth") + hook(drafter_modules, "drafting")
+    patched = [(owner, name, drafting(getattr(owner, name), entering("drafting"), leaving("drafting")))
+               for owner, name in drafter_methods]
     try:
-        for module in modules:
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        for owner, name, wrapped in patched:
+            setattr(owner, name, wrapped)
         with counter:
             yield counter
     finally:
         for handle in handles:
             handle.remove()
+        for owner, name, _ in patched:
+            delattr(owner, name)   # the method is the class's again
+
+
+def drafting(method, enter, leave):
+    """`method`, calling `enter` before and `leave` after it."""
+    def wrapped(*args, **kwargs):
+        enter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            leave()
+    return wrapped
 
 
 def model_modules(model) -> list[nn.Module]:
@@ -80,13 +127,16 @@ def model_modules(model) -> list[nn.Module]:
 
 
 def ops_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict]:
-    """{name: {"loop_ops", "model_ops", "decoder_calls", "loop_per_call", "model_per_call"}} for
-    `generate` and every registered decoder, decoding one batch with every bound `steps`."""
+    """{name: {"loop_ops", "model_ops", "drafter_ops", "decoder_calls" and each ops count per call
+    ("loop_per_call", ...)}} for `generate` and every registered decoder, decoding one batch with
+    every bound `steps`."""
     modules = model_modules(model)
-    results = counted_decodes(model, input_ids, attention_mask, steps, lambda: counting_ops(modules))
-    return {name: {"loop_ops": counter.loop, "model_ops": counter.model, "decoder_calls": calls,
-                   "loop_per_call": counter.loop / max(calls, 1),
-                   "model_per_call": counter.model / max(calls, 1)}
+    results = counted_decodes(model, input_ids, attention_mask, steps,
+                              lambda decoder: counting_ops(modules, drafter_work(decoder)))
+    return {name: {"loop_ops": counter.loop, "model_ops": counter.model,
+                   "drafter_ops": counter.drafter, "decoder_calls": calls,
+                   **{f"{part}_per_call": getattr(counter, part) / max(calls, 1)
+                      for part in ("loop", "model", "drafter")}}
             for name, (counter, calls) in results.items()}
 
 
@@ -106,14 +156,16 @@ def longest_decoding(model, input_ids, attention_mask, count: int, steps: int):
 
 
 def markdown(results: dict[int, dict[str, dict]], steps: int) -> str:
-    lines = [f"ATen ops per decoder call, outside (loop) and inside (model) the T5 modules (tiny "
-             f"random T5, every bound {steps})", "",
-             "| decoder | batch size | loop ops per call | model ops per call | decoder calls |",
-             "|---|---|---|---|---|"]
+    lines = [f"ATen ops per decoder call, outside (loop) and inside (model) the T5 modules, and in a "
+             f"drafter's own model and passes (tiny random T5s, every bound {steps})", "",
+             "| decoder | batch size | loop ops per call | model ops per call | drafter ops per call "
+             "| decoder calls |",
+             "|---|---|---|---|---|---|"]
     for batch_size, rows in results.items():
         for name, row in rows.items():
+            drafter = f"{row['drafter_per_call']:.1f}" if row["drafter_ops"] else "–"
             lines.append(f"| {name} | {batch_size} | {row['loop_per_call']:.1f} | "
-                         f"{row['model_per_call']:.1f} | {row['decoder_calls']} |")
+                         f"{row['model_per_call']:.1f} | {drafter} | {row['decoder_calls']} |")
     return "\n".join(lines) + "\n"
 
 

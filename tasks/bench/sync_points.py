@@ -81,7 +81,8 @@ def counting_sync_points():
 
 def sync_points_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict]:
     """{name: {"sync_points", "decoder_calls", "per_call"}} for `generate` and every decoder."""
-    results = counted_decodes(model, input_ids, attention_mask, steps, counting_sync_points)
+    results = counted_decodes(model, input_ids, attention_mask, steps,
+                              lambda decoder: counting_sync_points())
     return {name: {"sync_points": counter.count, "decoder_calls": calls,
                    "per_call": counter.count / max(calls, 1)}
             for name, (counter, calls) in results.items()}

@@ -152,8 +152,9 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
 
 
 # the draft-and-verify decoders' counters (`stats`, summed over the test split) a comparison reports
-# per decoder call: draft tokens offered and accepted (lookup, aggressive), calls whose draft was cut
-# where the model wrote a separator (lookup), rows drafted again (aggressive)
+# per decoder call: draft tokens offered and accepted, and calls whose draft was cut where the model
+# wrote a separator (the verify loop counts them for every drafter: `decoders.drafts.LOOP_COUNTERS`),
+# rows drafted again (aggressive)
 DRAFT_COUNTERS = ("draft_tokens_offered", "draft_tokens_accepted", "drafts_cut_at_separator", "redrafts")
 
 
@@ -166,6 +167,9 @@ def draft_figures(telemetry: dict, calls: float) -> dict | None:
                if name in telemetry}
     offered = telemetry["draft_tokens_offered"]
     figures["accepted_share"] = telemetry["draft_tokens_accepted"] / offered if offered else None
+    # a drafter with a model of its own (aggressive) times itself: the rest is the verifier's
+    if "drafter_seconds" in telemetry and telemetry.get("decode_seconds"):
+        figures["drafter_time_share"] = telemetry["drafter_seconds"] / telemetry["decode_seconds"]
     return figures
 
 
@@ -283,15 +287,18 @@ def drafts_table(result: dict) -> str:
     if not drafted:
         return ""
     lines = ["| decoder | tokens/call | draft tokens offered/call | accepted/call | accepted share | "
-             "cut at a separator/call | re-drafts/call |", "|" + "---|" * 7]
+             "cut at a separator/call | re-drafts/call | drafter's share of decode time |",
+             "|" + "---|" * 8]
     for r in drafted:
         d = r["drafts"]
         cells = [shown_label(r), r["tokens_per_call"], d["draft_tokens_offered_per_call"],
                  d["draft_tokens_accepted_per_call"], d["accepted_share"],
-                 d.get("drafts_cut_at_separator_per_call"), d.get("redrafts_per_call")]
+                 d.get("drafts_cut_at_separator_per_call"), d.get("redrafts_per_call"),
+                 d.get("drafter_time_share")]
         lines.append("| " + " | ".join([cells[0]] + ["–" if v is None else f"{v:.2f}"
                                                      for v in cells[1:]]) + " |")
-    return "\nDrafts, per decoder call over the test split:\n\n" + "\n".join(lines) + "\n"
+    return ("\nDrafts, per decoder call over the test split (a drafter's share: of that decode's "
+            "time, the rest being the verifier's):\n\n" + "\n".join(lines) + "\n")
 
 
 def pyplot():
