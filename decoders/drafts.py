@@ -87,16 +87,24 @@ def next_draft_lengths(lengths: torch.Tensor, offered: torch.Tensor, accepted: t
                        width: int) -> torch.Tensor:
     """The adaptive schedule, per row (all (live,)): after a call whose draft the model accepted
     whole, a row may offer 2 tokens more (up to the drafter's width m); after one it cut short,
-    1 fewer (down to 1); a row that offered nothing keeps its length.
+    1 fewer (down to 0); a row that offered nothing keeps its length.
 
     It is transformers' assisted-decoding heuristic, kept per row: in a batch, one row's rejected
     drafts must not shorten another's, and a call is as wide as its longest offer, so it narrows
-    only when every row's drafts keep failing. The floor is 1, not 0: a row keeps probing with one
-    token (one column more than a sequential call), so it can grow again where drafts start to
-    pass, e.g. on the next span its output copies."""
+    only when every row's drafts keep failing. Its floor is 1, so a row keeps paying one fed column
+    to find out whether drafts pass again; here the floor is 0 and the finding out is free: a row at
+    0 feeds nothing, but its draft's first token is still compared with the model's next token
+    (`Draft.probe`, `probed`), and a match brings it back to 1, e.g. on the next span its output
+    copies."""
     tried = offered > 0
-    grown = torch.where(accepted >= offered, (lengths + 2).clamp(max=width), (lengths - 1).clamp(min=1))
+    grown = torch.where(accepted >= offered, (lengths + 2).clamp(max=width), (lengths - 1).clamp(min=0))
     return torch.where(tried, grown, lengths)
+
+
+def probed(lengths: torch.Tensor, probe: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """`lengths` (live,) with every row whose probe (its unfed draft's first token, `Draft.probe`)
+    is the model's next token (live,) back at 1: only rows at length 0 have a probe."""
+    return lengths | (probe == next_tokens)
 
 
 def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
@@ -189,6 +197,9 @@ class Draft:
 
     tokens: torch.Tensor          # (live, m) draft tokens; those past a row's offer are filler
     offered: torch.Tensor | None  # (live,) how many of them the row offers; None: all m
+    # (live,) under an adaptive length: the first draft token of a row whose length (0) kept it
+    # from offering any, to be checked against the model's next token; NOT_PRODUCED elsewhere
+    probe: torch.Tensor | None = None
 
 
 @dataclass
@@ -206,10 +217,12 @@ class Verified:
 
 def capped(lengths: torch.Tensor | None, draft: Draft) -> Draft:
     """`draft` with each row's offer cut to its adaptive length (`lengths`; None: the fixed length,
-    nothing cut)."""
+    nothing cut), and the probe of every row at length 0 whose drafter offered a token."""
     if lengths is None:
         return draft
-    return Draft(draft.tokens, lengths if draft.offered is None else torch.minimum(draft.offered, lengths))
+    silenced = lengths == 0 if draft.offered is None else (lengths == 0) & (draft.offered > 0)
+    return Draft(draft.tokens, lengths if draft.offered is None else torch.minimum(draft.offered, lengths),
+                 torch.where(silenced, draft.tokens[:, 0], NOT_PRODUCED))
 
 
 # What the loop counts of every drafter's drafts, summed over a decode (its `stats` keys).
@@ -366,6 +379,8 @@ class VerifyLoop:
         if rows.fed.size(1) == 1:   # the first call, or no row offered a draft token
             self.produced[self.origin, self.writes.slots] = greedy
             rows.count = rows.count + 1
+            if rows.draft is not None and rows.draft.probe is not None:
+                rows.lengths = probed(rows.lengths, rows.draft.probe, greedy.view(-1))
             verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
                                 self.produced)
             return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
@@ -388,7 +403,8 @@ class VerifyLoop:
         rows.count = rows.count + accepted_column + 1                # right for every row that goes on
         if rows.lengths is not None:
             offered = draft.offered if draft.offered is not None else torch.full_like(accepted, self.width)
-            rows.lengths = next_draft_lengths(rows.lengths, offered, accepted, self.width)
+            rows.lengths = probed(next_draft_lengths(rows.lengths, offered, accepted, self.width),
+                                  draft.probe, greedy[:, 0])
         verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
                             self.origin, self.produced)
         return verified, accepted, first_end
@@ -441,8 +457,10 @@ class VerifyLoop:
         rest their model's token and next draft; False when no row is left."""
         rows = self.rows
         carried = {"count": rows.count, "lengths": rows.lengths, "next_token": verified.next_token,
-                   "hidden": verified.hidden, "draft": None if early is None else early.tokens,
-                   "offered": None if early is None else early.offered}
+                   "hidden": verified.hidden if early is None else None,   # for a late draft only
+                   "draft": None if early is None else early.tokens,
+                   "offered": None if early is None else early.offered,
+                   "probe": None if early is None else early.probe}
         carried = {name: tensor for name, tensor in carried.items() if tensor is not None}
         kept_tensors = self.live.drop(done, self.cache, self.encoder_states, self.cross_mask,
                                       *carried.values())
@@ -457,7 +475,7 @@ class VerifyLoop:
             self.origin = self.live.index[:, None]
             self.writes.rows = self.positions[:, None]
         if early is not None:
-            draft = Draft(carried["draft"], carried.get("offered"))
+            draft = Draft(carried["draft"], carried.get("offered"), carried.get("probe"))
             if draft.offered is not None:    # no column past the longest offer
                 draft.tokens = draft.tokens[:, : max(host["offered"][r] for r in kept)]
         else:   # drafted after the sync, for the rows that go on only, with the host values they need
@@ -466,7 +484,9 @@ class VerifyLoop:
             draft = capped(rows.lengths, self.drafter.draft(
                 self.model, self.state, verified, {name: [column[r] for r in kept]
                                                    for name, column in host.items()}))
-        rows.draft, rows.fed = draft, torch.cat([carried["next_token"], draft.tokens], dim=1)  # (live, 1 .. k)
+        rows.draft = draft
+        rows.fed = (torch.cat([carried["next_token"], draft.tokens], dim=1) if draft.tokens.size(1)
+                    else carried["next_token"])                                    # (live, 1 .. k)
         return True
 
     def output(self):

@@ -12,8 +12,9 @@ import torch
 
 from decoders import available, build_decoder, decoder_class
 from decoders.base import Decoder
-from decoders.drafts import ADAPTIVE, FIXED, LOOP_COUNTERS, DraftAndVerifyDecoder, next_draft_lengths
-from decoders.loop import split_flat_output
+from decoders.drafts import (ADAPTIVE, FIXED, LOOP_COUNTERS, Draft, DraftAndVerifyDecoder, capped,
+                             next_draft_lengths, probed)
+from decoders.loop import NOT_PRODUCED, split_flat_output
 from tasks.bench import bounded, with_drafter
 from tests.conftest import (SPECIAL, assert_same_output, briefly_trained, first_batch_where,
                             greedy_outputs, sequential, tiny_t5)
@@ -115,5 +116,16 @@ def test_the_adaptive_length_grows_after_a_whole_draft_and_shrinks_after_a_cut_o
     lengths, width = torch.tensor([4, 4, 1, 3, 2, 2]), 4
     offered = torch.tensor([2, 4, 1, 0, 2, 1])
     accepted = torch.tensor([2, 1, 0, 0, 2, 0])
-    # whole (capped at m), cut, cut (floor 1), nothing offered (kept), whole, cut
-    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 3, 1, 3, 4, 1]
+    # whole (capped at m), cut, cut (floor 0), nothing offered (kept), whole, cut
+    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 3, 0, 3, 4, 1]
+
+
+def test_a_row_at_length_0_comes_back_when_its_unfed_draft_would_have_passed():
+    lengths = torch.tensor([0, 0, 0, 2])
+    offered = torch.tensor([3, 0, 2, 4])           # the drafter's offers, before the lengths cut them
+    draft = capped(lengths, Draft(torch.tensor([[7, 8, 9], [5, 5, 5], [6, 1, 1], [4, 4, 4]]), offered))
+    assert draft.offered.tolist() == [0, 0, 0, 2]
+    # only rows at 0 whose drafter offered a token have a probe: its first draft token
+    assert draft.probe.tolist() == [7, NOT_PRODUCED, 6, NOT_PRODUCED]
+    model_tokens = torch.tensor([7, 5, 2, 4])       # the model's tokens after the call
+    assert probed(lengths, draft.probe, model_tokens).tolist() == [1, 0, 0, 2]

@@ -55,6 +55,13 @@ def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
             "bound_hit_fraction": sum(hits) / len(hits)}
 
 
+def drafter_share(timing) -> float | None:
+    """The share of the last timed pass a drafter with a model of its own spent drafting (its
+    `drafter_seconds`), the rest being the verifier's; None for a decoder without one."""
+    drafting = [out.stats["drafter_seconds"] for out in timing.outputs if "drafter_seconds" in out.stats]
+    return sum(drafting) / timing.pass_seconds[-1] if drafting else None
+
+
 def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch_sizes: list[int],
               precision: str, repeats: int, examples: int | None,
               single_examples: int | None) -> tuple[list[dict], bool | None]:
@@ -83,6 +90,7 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
                          "memory_vs_first": timing.peak_memory_mb / timings[first].peak_memory_mb
                          if timings[first].peak_memory_mb > 0 else None,
                          "decoder_calls_per_example": timing.calls_per_example,
+                         "drafter_time_share": drafter_share(timing),
                          **scored(cfg, datamodule.tokenizer, timing, records)})
     return rows, identical
 
@@ -130,6 +138,9 @@ def markdown(result: dict) -> str:
             f"{b['baseline']} {b['quality'][primary]:.3f}" for b in baselines)]
     lines += [f"Not learned: {r['decoder']} (batch {r['batch_size']}): {r['not_learned']}"
               for r in result["rows"] if r["not_learned"]]
+    lines += [f"{r['decoder']} (batch {r['batch_size']}): its drafter took {r['drafter_time_share']:.0%} of "
+              f"the decode time, the verifier the rest" for r in result["rows"]
+              if r.get("drafter_time_share") is not None]
     lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
