@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from decoders import available, build_decoder, decoder_class
-from decoders.base import Decoder
-from decoders.drafts import (ADAPTIVE, FIXED, LOOP_COUNTERS, Draft, DraftAndVerifyDecoder, capped,
-                             next_draft_lengths, probed)
+from decoders.base import OUTPUT_BOUND, Decoder
+from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, LOOP_COUNTERS, Draft, DraftAndVerifyDecoder,
+                             capped, next_draft_lengths, probed)
+from decoders.sequential import SequentialDecoder
 from decoders.loop import NOT_PRODUCED, split_flat_output
 from tasks.bench import bounded, with_drafter
 from tests.conftest import (SPECIAL, assert_same_output, briefly_trained, first_batch_where,
@@ -110,6 +111,32 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     assert sum(accepted_per_row(out)) > 0
     assert_drafts_counted(out, decoder)
     assert out.stats["draft_tokens_accepted"] >= sum(accepted_per_row(out)) > 0
+
+
+class RepeatingDrafter(DraftAndVerifyDecoder):
+    """A drafter in one class, as the README's example: it guesses that the model's newest token
+    comes twice more (not registered here, to leave the registry as it is)."""
+
+    layout_family = SequentialDecoder.layout_family
+    trains_nothing = True
+    layout, loss = SequentialDecoder.layout, SequentialDecoder.loss
+    options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH}
+    draft_width = 2
+
+    def draft(self, model, state, verified, host) -> Draft:
+        return Draft(verified.next_token.repeat(1, 2), offered=None)
+
+
+@pytest.mark.parametrize("length", [FIXED, ADAPTIVE])
+def test_a_drafter_of_one_class_decodes_greedily_and_is_counted(length):
+    model = tiny_t5(0)
+    decoder = RepeatingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, draft_length=length).eval()
+
+    def repeating(input_ids, attention_mask):
+        """some draft accepted: an output repeats a token"""
+        return decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_accepted"] > 0
+    out = assert_greedy(decoder, model, *first_batch_where(repeating, 6, seed=90))
+    assert_drafts_counted(out, decoder)
 
 
 def test_the_adaptive_length_grows_after_a_whole_draft_and_shrinks_after_a_cut_one():
