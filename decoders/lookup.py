@@ -85,8 +85,8 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         continuations = padded[:, n:].unfold(1, m, 1)                        # (B, S + 1, m)
         # the leading real tokens of each continuation: what a draft from there may offer
         offered = real[:, n:].unfold(1, m, 1).long().cummin(dim=2).values.sum(dim=2)   # (B, S + 1)
-        usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
         windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
+        usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
         # an unusable window never equals produced tokens (all >= 0)
         windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
         device = input_ids.device
