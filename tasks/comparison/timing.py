@@ -11,14 +11,13 @@ bf16 autocast.
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from decoders.base import DecodeOutput, SpecialTokens
-from decoders.loop import flat_decode_output
+from decoders.loop import Stopwatch, flat_decode_output
 from tasks.comparison.measure import PeakMemory
 
 PRECISIONS = ("fp32", "bf16")
@@ -39,17 +38,13 @@ def timed(decoder, model, batch: dict, device: torch.device, precision: str):
     """(DecodeOutput, seconds) of one decode: CUDA events on a GPU, the host clock elsewhere."""
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else nullcontext())
+    clock = Stopwatch(device)
     with torch.inference_mode(), autocast:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with clock.timing():
             out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
-            end.record()
-            end.synchronize()
-            return out, start.elapsed_time(end) / 1000.0
-        started = time.perf_counter()
-        out = decoder.generate(model, batch["input_ids"], batch["attention_mask"])
-        return out, time.perf_counter() - started
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()   # the end event recorded, outside the timing
+    return out, clock.total()
 
 
 class TransformersGenerate:
