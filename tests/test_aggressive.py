@@ -13,8 +13,8 @@ from decoders import build_decoder
 from decoders.backbone import output_logits
 from decoders.nar import MaskPredictDecoder, tokens_to_remask
 from decoders.transformers_internals import shift_right
-from tests.conftest import (SPECIAL, VOCAB, assert_same_output, greedy_outputs, random_batch,
-                            sequential, tiny_t5)
+from tests.conftest import (SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, greedy_outputs,
+                            random_batch, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -29,19 +29,14 @@ def aggressive(model, drafter, drafter_model, **options):
 
 
 def assert_consistent_telemetry(out, draft_tokens):
-    stats = out.stats
-    assert stats["accepted_tokens"] == sum(out.tokens)
-    assert stats["aggressive_calls"] == sum(out.decoder_calls)  # the verifier's calls
-    assert max(out.decoder_calls) == out.batch_decoder_calls
-    assert 0 <= stats["draft_tokens_accepted"] <= stats["draft_tokens_offered"]
-    # a call offers at most draft_tokens; the first call of a row offers none
-    assert stats["draft_tokens_offered"] <= draft_tokens * (sum(out.decoder_calls) - len(out.tokens))
+    """The counters of every drafter (`assert_drafts_counted`; the calls are the verifier's), and
+    the drafter's own."""
+    assert_drafts_counted(out, "aggressive_calls", draft_tokens)
     # every call yields its accepted draft tokens and one of its own (the last call may stop at an
     # accepted end token): at most one accepted draft token per example is not output
+    stats = out.stats
     assert stats["draft_tokens_accepted"] <= sum(out.tokens) - sum(out.decoder_calls) + len(out.tokens)
     assert stats["drafter_passes"] >= 1 and stats["redrafts"] >= 0
-    for tokens, calls in zip(out.tokens, out.decoder_calls):
-        assert 1 <= calls <= tokens
 
 
 # ---- a scripted drafter --------------------------------------------------------------------------

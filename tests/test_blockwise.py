@@ -11,8 +11,8 @@ from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
-from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, assert_same_output,
-                            briefly_trained, first_batch_where, random_batch, sequential, tiny_t5)
+from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, assert_drafts_counted,
+                            assert_same_output, briefly_trained, first_batch_where, random_batch, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -32,14 +32,6 @@ def randomise_heads(decoder, seed):
     return decoder
 
 
-def assert_consistent_counters(out):
-    assert out.stats["accepted_tokens"] == sum(out.tokens)
-    assert out.stats["blockwise_iterations"] == sum(out.decoder_calls)
-    assert max(out.decoder_calls) == out.batch_decoder_calls
-    for tokens, calls in zip(out.tokens, out.decoder_calls):
-        assert 1 <= calls <= tokens
-
-
 # ---- 1. exactness against the sequential decoder -----------------------------------------------
 
 @pytest.mark.parametrize("seed,block_size,random_heads", [(0, 4, True), (1, 2, True), (2, 4, True),
@@ -53,7 +45,7 @@ def test_matches_sequential_on_random_models(seed, block_size, random_heads):
     out = decoder.generate(model, input_ids, attention_mask)
     ref = sequential(model, 15).generate(model, input_ids, attention_mask)
     assert_same_output(out, ref)
-    assert_consistent_counters(out)
+    assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width)
     for i in range(0, 6, 2):  # unbatched, unpadded
         n = int(attention_mask[i].sum())
         alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
@@ -89,7 +81,7 @@ def test_matches_sequential_after_training_and_accepts_proposals(trained):
     out = decoder.generate(model, input_ids, attention_mask)
     ref = sequential(model, 20).generate(model, input_ids, attention_mask)
     assert_same_output(out, ref)
-    assert_consistent_counters(out)
+    assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width)
     # Unbatched, against sequential decoding of the same unpadded input: on this trained model the
     # encoder output of a padded row drifts by ~1e-2 from the unpadded one (a T5/fixture effect that
     # changes near-tie argmaxes for the sequential decoder as well), so alone vs batch is compared on
@@ -99,7 +91,7 @@ def test_matches_sequential_after_training_and_accepts_proposals(trained):
         alone = decoder.generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
         alone_ref = sequential(model, 20).generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
         assert_same_output(alone, alone_ref)
-        assert_consistent_counters(alone)
+        assert_drafts_counted(alone, decoder.calls_stat, decoder.draft_width)
 
 
 # ---- 2. the acceptance rule ---------------------------------------------------------------------
