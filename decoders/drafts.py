@@ -26,8 +26,9 @@ device. The same sync reads what the loop counts of every drafter's drafts (`LOO
 accepted, cut at a separator), which the host adds up.
 
 Draft length (`draft_length`): `fixed` offers the drafter's whole width m on every call; `adaptive`
-gives each row its own length (`next_draft_lengths`), so that a row whose drafts keep failing falls
-back toward one-token calls while another row's drafts grow.
+gives each row its own length (`next_draft_lengths`): as many tokens as its last draft got accepted,
+m after one accepted whole, so that a row whose drafts fail falls back to one-token calls while
+another row's drafts pass.
 
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
@@ -85,26 +86,29 @@ DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 
 def next_draft_lengths(lengths: torch.Tensor, offered: torch.Tensor, accepted: torch.Tensor,
                        width: int) -> torch.Tensor:
-    """The adaptive schedule, per row (all (live,)): after a call whose draft the model accepted
-    whole, a row may offer 2 tokens more (up to the drafter's width m); after one it cut short,
-    1 fewer (down to 0); a row that offered nothing keeps its length.
+    """The adaptive schedule, per row (all (live,)): a row offers what its last draft achieved.
+    After a call whose draft the model accepted whole, the drafter's whole width m; after one it cut
+    short, as many tokens as it accepted (0 when none); a row that offered nothing keeps its length.
 
-    It is transformers' assisted-decoding heuristic, kept per row: in a batch, one row's rejected
-    drafts must not shorten another's, and a call is as wide as its longest offer, so it narrows
-    only when every row's drafts keep failing. Its floor is 1, so a row keeps paying one fed column
-    to find out whether drafts pass again; here the floor is 0 and the finding out is free: a row at
-    0 feeds nothing, but its draft's first token is still compared with the model's next token
-    (`Draft.probe`, `probed`), and a match brings it back to 1, e.g. on the next span its output
-    copies."""
+    Why this and not transformers' assisted-decoding heuristic (2 more after a whole draft, 1 fewer
+    after a cut one, floor 1): in a batch a call is as wide as its longest offer, so every token a
+    row offers in vain widens the call for all rows, and outputs of a few words (answers, phrases)
+    end before a length falling by 1 reaches the floor. Here a failed draft silences its row at
+    once, and finding out whether drafts pass again is free: a row at 0 feeds nothing, but its
+    draft's first token is still compared with the model's next token (`Draft.probe`, `probed`),
+    and a match counts as a one-token draft accepted whole, so the row offers m again, e.g. on the
+    next span its output copies. Each row keeps its own length: one row's rejected drafts do not
+    shorten another's."""
     tried = offered > 0
-    grown = torch.where(accepted >= offered, (lengths + 2).clamp(max=width), (lengths - 1).clamp(min=0))
-    return torch.where(tried, grown, lengths)
+    return torch.where(tried, torch.where(accepted >= offered, width, accepted), lengths)
 
 
-def probed(lengths: torch.Tensor, probe: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+def probed(lengths: torch.Tensor, probe: torch.Tensor, next_tokens: torch.Tensor,
+           width: int) -> torch.Tensor:
     """`lengths` (live,) with every row whose probe (its unfed draft's first token, `Draft.probe`)
-    is the model's next token (live,) back at 1: only rows at length 0 have a probe."""
-    return lengths | (probe == next_tokens)
+    is the model's next token (live,) back at the drafter's width m: only rows at length 0 have
+    a probe."""
+    return torch.where(probe == next_tokens, width, lengths)
 
 
 def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
@@ -380,7 +384,7 @@ class VerifyLoop:
             self.produced[self.origin, self.writes.slots] = greedy
             rows.count = rows.count + 1
             if rows.draft is not None and rows.draft.probe is not None:
-                rows.lengths = probed(rows.lengths, rows.draft.probe, greedy.view(-1))
+                rows.lengths = probed(rows.lengths, rows.draft.probe, greedy.view(-1), self.width)
             verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
                                 self.produced)
             return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
@@ -404,7 +408,7 @@ class VerifyLoop:
         if rows.lengths is not None:
             offered = draft.offered if draft.offered is not None else torch.full_like(accepted, self.width)
             rows.lengths = probed(next_draft_lengths(rows.lengths, offered, accepted, self.width),
-                                  draft.probe, greedy[:, 0])
+                                  draft.probe, greedy[:, 0], self.width)
         verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
                             self.origin, self.produced)
         return verified, accepted, first_end

@@ -125,12 +125,12 @@ def test_a_drafter_of_one_class_decodes_greedily_and_is_counted(length):
     assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width)
 
 
-def test_the_adaptive_length_grows_after_a_whole_draft_and_shrinks_after_a_cut_one():
+def test_the_adaptive_length_is_what_the_last_draft_achieved():
     lengths, width = torch.tensor([4, 4, 1, 3, 2, 2]), 4
     offered = torch.tensor([2, 4, 1, 0, 2, 1])
     accepted = torch.tensor([2, 1, 0, 0, 2, 0])
-    # whole (capped at m), cut, cut (floor 0), nothing offered (kept), whole, cut
-    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 3, 0, 3, 4, 1]
+    # whole (back to m), cut after 1, cut at once (0), nothing offered (kept), whole, cut at once
+    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 1, 0, 3, 4, 0]
 
 
 def test_a_row_at_length_0_comes_back_when_its_unfed_draft_would_have_passed():
@@ -141,4 +141,4 @@ def test_a_row_at_length_0_comes_back_when_its_unfed_draft_would_have_passed():
     # only rows at 0 whose drafter offered a token have a probe: its first draft token
     assert draft.probe.tolist() == [7, NOT_PRODUCED, 6, NOT_PRODUCED]
     model_tokens = torch.tensor([7, 5, 2, 4])       # the model's tokens after the call
-    assert probed(lengths, draft.probe, model_tokens).tolist() == [1, 0, 0, 2]
+    assert probed(lengths, draft.probe, model_tokens, width=3).tolist() == [3, 0, 0, 2]
