@@ -273,6 +273,7 @@ VALUE_RANGES: dict[str, Range] = {
     "train.lr": Range(gt=0, integer=False),
     "train.weight_decay": Range(ge=0, integer=False),
     "train.warmup_steps": Range(ge=0, note="0: no warm-up"),
+    "train.position_bias_lr_scale": Range(gt=0, integer=False),
     "eval.batch_size": Range(ge=1),
     "eval.speed_batch_size": Range(ge=1),
     "data.max_train_examples": Range(ge=1, optional=True, note="null: all"),

@@ -93,6 +93,19 @@ class DecodeTelemetry:
         return whole
 
 
+def parameter_groups(module: torch.nn.Module, position_bias_lr: float) -> list[dict]:
+    """AdamW's parameter groups: T5's relative-position bias tables at `position_bias_lr`, the rest at
+    the optimizer's learning rate. Why apart: each bias is one scalar added to an attention score,
+    and Adam moves a parameter by about the learning rate per step whatever its gradient, so at
+    1e-3 a bias trained from scratch for a few thousand steps stays within about 1 of its start,
+    too little to make a head attend by position; the scores of the other parameters are products
+    of many of them and grow much faster."""
+    named = list(module.named_parameters())
+    bias = [p for name, p in named if "relative_attention_bias" in name]
+    rest = [p for name, p in named if "relative_attention_bias" not in name]
+    return [{"params": rest}, {"params": bias, "lr": position_bias_lr}]
+
+
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     """A seed for torch's global generator in one epoch of one process, derived from the run's seed."""
     return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
@@ -129,10 +142,11 @@ class BackboneTraining(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.train.lr,
-                                      weight_decay=self.cfg.train.weight_decay)
+        train = self.cfg.train
+        optimizer = torch.optim.AdamW(parameter_groups(self, train.lr * train.position_bias_lr_scale),
+                                      lr=train.lr, weight_decay=train.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        schedule = get_linear_schedule_with_warmup(optimizer, min(self.cfg.train.warmup_steps, total // 2),
+        schedule = get_linear_schedule_with_warmup(optimizer, min(train.warmup_steps, total // 2),
                                                    total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -324,6 +324,7 @@ BAD_VALUES = [
     ("train.lr=-0.001", "train.lr must be a finite number > 0, got -0.001"),
     ("train.weight_decay=-0.01", "train.weight_decay must be a finite number >= 0, got -0.01"),
     ("train.warmup_steps=-1", "train.warmup_steps must be an integer >= 0 (0: no warm-up), got -1"),
+    ("train.position_bias_lr_scale=0", "train.position_bias_lr_scale must be a finite number > 0, got 0"),
     ("eval.batch_size=0", "eval.batch_size must be an integer >= 1, got 0"),
     ("eval.speed_batch_size=0", "eval.speed_batch_size must be an integer >= 1, got 0"),
     ("data.max_train_examples=0", "data.max_train_examples must be an integer >= 1 or null"),

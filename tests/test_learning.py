@@ -8,9 +8,12 @@ bound and at most 7 repeats on this budget). No particular output is checked.
 import collections
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from tasks import fit
+from tasks.module import parameter_groups
+from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
 
 # a small budget: 6000 training examples seen twice (the default QA budget is 20000, twice)
@@ -18,6 +21,28 @@ SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validat
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
 SAME_ANSWER_AT_MOST = 10    # times one answer may appear in one output (a target has 2 to 5 answers)
+
+
+def test_the_position_biases_learn_at_their_own_rate():
+    """`train.position_bias_lr_scale`: T5's relative-position bias tables form their own AdamW group.
+    Adam's first step moves every parameter with a gradient by its group's rate."""
+    model = tiny_t5()
+    groups = parameter_groups(model, position_bias_lr=0.5)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in groups[1]["params"]) == [
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+    assert {id(p) for group in groups for p in group["params"]} == set(names)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    input_ids, attention_mask = random_batch()
+    model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
+    optimizer.step()
+    moved = {name: (p.detach() - before[name]).abs().max().item() for name, p in model.named_parameters()}
+    bias_moves = [move for name, move in moved.items() if "relative_attention_bias" in name]
+    other_moves = [move for name, move in moved.items() if "relative_attention_bias" not in name]
+    assert bias_moves == pytest.approx([0.5, 0.5], rel=1e-3)
+    assert max(other_moves) == pytest.approx(1e-3, rel=1e-3)
 
 
 @pytest.mark.slow
