@@ -12,7 +12,9 @@ Draft. After each call, a row looks up its last `match` output tokens (the model
     included) in its own source, real tokens only. Its draft is the up to `draft_tokens` source
     tokens that follow their latest occurrence among those followed by at least one source token,
     cut at the source's last real token. No such occurrence, or fewer than `match` tokens produced:
-    no draft, and the call yields one token, as sequential decoding does. (IAD drafts the whole rest
+    no draft, and the call yields one token, as sequential decoding does. With `match` 1 (the
+    default) a table made once per decode, from each token id to its latest window, makes the
+    lookup one read per call. (IAD drafts the whole rest
     of the input and re-aligns after a mismatch; here the draft is bounded and re-aligned at every
     call, as prompt lookup does.)
 Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draft_tokens`, the
@@ -48,6 +50,9 @@ class SourceLookup:
                                  # offers none
     window_entry: torch.Tensor   # (S,) 1..S: each window's entry
     last_offsets: torch.Tensor   # (match,) -match..-1: output indices of the last tokens, from a count
+    # With match 1: (B, V) the entry of each token id's latest usable window (0: none), so that a
+    # call reads its rows' entries in one index instead of comparing every window; None otherwise
+    token_entry: torch.Tensor | None
 
 
 @register("lookup")
@@ -88,13 +93,23 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
         usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
         # an unusable window never equals produced tokens (all >= 0)
-        windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
         device = input_ids.device
+        window_entry = torch.arange(1, sources + 1, device=device)
+        token_entry = None
+        if n == 1:
+            vocabulary = model.get_input_embeddings().num_embeddings   # every source and output id
+            entries = torch.where(usable, window_entry, 0)                     # (B, S)
+            token_entry = entries.new_zeros(input_ids.size(0), vocabulary).scatter_reduce_(
+                1, input_ids, entries, "amax")                                 # (B, V)
+        windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
         return SourceLookup(windows, continuations.roll(1, dims=1), offered.roll(1, dims=1),
-                            torch.arange(1, sources + 1, device=device), torch.arange(-n, 0, device=device))
+                            window_entry, torch.arange(-n, 0, device=device), token_entry)
 
     def draft(self, model, state: SourceLookup, verified: Verified, host) -> Draft:
         example = verified.example                                          # (live,)
+        if state.token_entry is not None:   # match 1: the newest token's latest window, one read
+            latest = state.token_entry[example, verified.next_token.view(-1)]  # (live,)
+            return Draft(state.continuations[example, latest], state.offered[example, latest])
         # each row's last `match` output tokens, the model's newest one last (a row that has
         # produced fewer reads a negative index, and is masked below)
         last_indices = verified.count + state.last_offsets                   # (live, match)

@@ -3,13 +3,14 @@ batches whose rows accept different numbers of draft tokens), and its decoder ca
 those the lookup rule gives, counted here in plain Python from the greedy output and the source
 (`lookup_replay`); on models built so that the source holds the answer, calls by hand; its
 counters, options, host syncs and what it decodes."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from decoders import build_decoder, decoder_class
 from decoders.base import Decoder
+from decoders.drafts import Source, Verified
 from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
@@ -178,6 +179,28 @@ def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, dra
 
 # CHAIN is 10, 11, .., 17, </s>: what the rigged model writes, whatever its source
 NOISE = [40, 41, 42]
+
+
+def test_with_match_1_one_table_read_drafts_what_comparing_every_window_drafts():
+    """Match 1 drafts from a per-decode table (token id -> its latest usable window); the general
+    path compares the newest token with every window. Both, for every token a row may produce:
+    repeated tokens (the latest counts), the last real token (followed by nothing: no draft),
+    padding and tokens the source lacks."""
+    model, _ = rigged_model(CHAIN)
+    decoder = lookup(model, draft_tokens=3)
+    input_ids, attention_mask = padded([[10, 11, 12, 10, 13, 14, 12], [12, 12, 40, 5], [5]])
+    state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None))
+    assert state.token_entry is not None
+    windowed = replace(state, token_entry=None)
+    rows = torch.arange(3)
+    for token in range(VOCAB):
+        produced = torch.full((3, 4), token)
+        verified = Verified(None, produced[:, :1], torch.ones(3, 1, dtype=torch.long), rows,
+                            rows[:, None], produced)
+        from_table, from_windows = (decoder.draft(model, s, verified, None) for s in (state, windowed))
+        assert from_table.offered.tolist() == from_windows.offered.tolist()
+        assert from_table.tokens.tolist() == from_windows.tokens.tolist()
+    assert lookup(model, match=2).begin_drafts(model, Source(input_ids, attention_mask, None)).token_entry is None
 
 
 def run_rigged(rows: list[list[int]], chain=CHAIN, **options):
