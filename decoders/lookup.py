@@ -14,9 +14,8 @@ Draft. After each call, a row looks up its last `match` output tokens (the model
     cut at the source's last real token. No such occurrence, or fewer than `match` tokens produced:
     no draft, and the call yields one token, as sequential decoding does. With `match` 1 (the
     default) a table made once per decode, from each token id to its latest window, makes the
-    lookup one read per call. (IAD drafts the whole rest
-    of the input and re-aligns after a mismatch; here the draft is bounded and re-aligned at every
-    call, as prompt lookup does.)
+    lookup one read per call. (IAD drafts the whole rest of the input and re-aligns after a
+    mismatch; here the draft is bounded and re-aligned at every call, as prompt lookup does.)
 Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draft_tokens`, the
     tokens past a row's offered ones are never accepted), keep the longest prefix of the draft on
     which the model's argmax agrees, then the model's own next token: 1 .. offered + 1 tokens per
@@ -92,7 +91,6 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         offered = real[:, n:].unfold(1, m, 1).long().cummin(dim=2).values.sum(dim=2)   # (B, S + 1)
         windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
         usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
-        # an unusable window never equals produced tokens (all >= 0)
         device = input_ids.device
         window_entry = torch.arange(1, sources + 1, device=device)
         token_entry = None
@@ -101,6 +99,7 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
             entries = torch.where(usable, window_entry, 0)                     # (B, S)
             token_entry = entries.new_zeros(input_ids.size(0), vocabulary).scatter_reduce_(
                 1, input_ids, entries, "amax")                                 # (B, V)
+        # an unusable window never equals produced tokens (all >= 0)
         windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
         return SourceLookup(windows, continuations.roll(1, dims=1), offered.roll(1, dims=1),
                             window_entry, torch.arange(-n, 0, device=device), token_entry)
