@@ -36,7 +36,9 @@ slot lies at or past the row's new count, where the next call writes its own fed
 attending, and every slot past a query's position is in its future, which the causal bias hides. So
 nothing is ever gathered, compacted or cropped: a call attends to slots 0 .. max_r(n_r) + m, and the
 bias (T5's relative bias of query position - slot, gathered from one table) hides what a row must
-not see.
+not see. While every row is at one count (always at batch size 1, and at any batch size until
+drafts are accepted) the call writes one slice of slots and every row reads one bias, a slice of
+a table made once per decode: no per-row index, as in sequential decoding.
 
 Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
 per decode (aggressive's drafter: its encoder and its first draft's lengths).
@@ -46,7 +48,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
@@ -55,7 +57,7 @@ from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_l
                                past_distance_bias_table)
 from datamodules.vocabulary import Choice
 from decoders.base import Decoder, Option
-from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back
+from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back, send
 from decoders.transformers_internals import CacheLayer, cache_with_self_attention_layers
 
 
@@ -131,6 +133,7 @@ class SlotWrites:
     slots: torch.Tensor
     width: int
     capacity: int
+    start: int | None = None   # where every row is at one count: the first slot all rows write
 
 
 class RowSlotLayer(CacheLayer):
@@ -153,9 +156,14 @@ class RowSlotLayer(CacheLayer):
             self.lazy_initialization(key_states, value_states)
         elif self.keys.size(2) < self.writes.capacity:
             self.keys, self.values = (_grown(t, self.writes.capacity) for t in (self.keys, self.values))
-        rows, slots = self.writes.rows, self.writes.slots
-        self.keys[rows, :, slots] = key_states.transpose(1, 2)           # (live, Q, heads, head_dim)
-        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        start = self.writes.start
+        if start is not None:   # every row writes the same slots: a slice, no index
+            self.keys[:, :, start: start + key_states.size(2)] = key_states
+            self.values[:, :, start: start + key_states.size(2)] = value_states
+        else:
+            rows, slots = self.writes.rows, self.writes.slots
+            self.keys[rows, :, slots] = key_states.transpose(1, 2)           # (live, Q, heads, head_dim)
+            self.values[rows, :, slots] = value_states.transpose(1, 2)
         width = self.writes.width
         return self.keys[:, :, :width], self.values[:, :, :width]
 
@@ -308,21 +316,51 @@ class Rows:
     lengths: torch.Tensor | None  # (live,) each row's adaptive draft length; None: fixed
     examples: list[int]           # host: each row's example
     counts: list[int]             # host: the same as `count`
+    # (N,) the flat indices (row * Q + fed index) of the fed positions whose next token counts, a
+    # row's last token and its offered draft tokens, where the host knows the offers and some row
+    # offers fewer than the widest; None: every fed position counts
+    counted: torch.Tensor | None = None
+
+
+class CallTables(NamedTuple):
+    """What a call of Q fed tokens indexes with (`bias_tables`), made once per decode."""
+
+    fed_offset: torch.Tensor     # (Q,) each fed token's index: its position is the row's count + it
+    based_offsets: torch.Tensor  # (heads, Q, slots) fed index - slot, each head's base added: a
+                                 # row's bias indices once its count is added
+    no_end: torch.Tensor         # 0-dim Q: "no end token among them"
+    one_count: torch.Tensor      # (1, heads, Q, bound - 1 + Q) the bias of every row at one count
+                                 # c: its columns bound - 1 - c .. bound - 2 + Q, slots 0 .. c + Q - 1
 
 
 def bias_tables(model, bound: int, k: int, device: torch.device) -> tuple[HeadTable, dict]:
     """T5's bias of every distance a call can meet, made once per decode (each call only gathers
-    from it), and per number of fed tokens Q (1 .. k) the call's index tables: each token's fed index
-    (Q,), the distances fed index - slot with each head's base added (heads, Q, slots) and Q itself
-    (0-dim: "no end token among them"). Query positions reach bound + k - 2; a slot in a query's
-    future (a negative distance, down to -(bound + k)) reads a hidden entry, the dtype's lowest."""
+    from it, or slices it), and per number of fed tokens Q (1 .. k) the call's `CallTables`. Query
+    positions reach bound + k - 2; a slot in a query's future (a negative distance, down to
+    -(bound + k)) reads a hidden entry, the dtype's lowest."""
     far = bound + k
     past = past_distance_bias_table(model, far)                     # (far + 1, heads): 0..far
     hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
     table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
-    return table, {queries: (fed_offset, table.base + query_minus_slot, no_end)
-                   for queries, (fed_offset, query_minus_slot, no_end)
-                   in call_index_tables(k, far, device).items()}
+    tables = {}
+    for queries, (fed_offset, query_minus_slot, no_end) in call_index_tables(k, far, device).items():
+        # fed index - (slot - c), for slot - c from -(bound - 1) (the first slot of a row at the
+        # highest count) to Q - 1
+        relative = fed_offset[:, None] - torch.arange(1 - bound, queries, device=device)
+        tables[queries] = CallTables(fed_offset, table.base + query_minus_slot, no_end,
+                                     table.gather(table.base + relative)[None])
+    return table, tables
+
+
+def counted_positions(offers: list[int], device: torch.device) -> torch.Tensor | None:
+    """The flat indices (row * Q + fed index, Q = max(offers) + 1) of a call's fed positions that
+    count, given each row's offer (host ints): a row's last token and its offered draft tokens.
+    None when every row offers the widest (every position counts), or none does (one column)."""
+    queries = max(offers) + 1
+    if queries == 1 or min(offers) == queries - 1:
+        return None
+    return send([row * queries + fed for row, offer in enumerate(offers) for fed in range(offer + 1)],
+                device)
 
 
 class VerifyLoop:
@@ -363,13 +401,19 @@ class VerifyLoop:
         slots before them. Returns (live, Q, d_model) hidden states."""
         rows, writes = self.rows, self.writes
         queries = rows.fed.size(1)
-        offsets, based_offsets, _ = self.per_queries[queries]
-        writes.width = max(rows.counts) + queries
+        tables = self.per_queries[queries]
+        highest = max(rows.counts)
+        writes.width = highest + queries
         if writes.width > writes.capacity:
             writes.capacity = min(self.most_slots, 2 * writes.width)
-        writes.slots = rows.count + offsets                                       # (live, Q) positions
-        based = rows.count.view(-1, 1, 1, 1) + based_offsets[..., : writes.width]  # (live, heads, Q, W)
-        bias = self.table.gather(based)                                         # (live, heads, Q, W)
+        writes.slots = rows.count + tables.fed_offset                             # (live, Q) positions
+        if min(rows.counts) == highest:   # every row at one count (always at batch size 1)
+            writes.start = highest
+            bias = tables.one_count[..., self.bound - 1 - highest: self.bound - 1 + queries]  # (1, heads, Q, W)
+        else:
+            writes.start = None
+            based = rows.count.view(-1, 1, 1, 1) + tables.based_offsets[..., : writes.width]
+            bias = self.table.gather(based)                                     # (live, heads, Q, W)
         self.batch_calls += 1
         return self.run(self.model, rows.fed, bias, self.encoder_states, self.cross_mask, self.cache)
 
@@ -378,9 +422,8 @@ class VerifyLoop:
         fed), its tokens written to `produced`, the fed index of its first end token among them
         (live,; Q where there is none), and its count and adaptive length moved on."""
         rows, drafter = self.rows, self.drafter
-        logits = output_logits(self.model, hidden)                   # (live, Q, V)
-        greedy = logits.argmax(-1)                                   # (live, Q): the token after each
         if rows.fed.size(1) == 1:   # the first call, or no row offered a draft token
+            greedy = output_logits(self.model, hidden).argmax(-1)    # (live, 1): the token after it
             self.produced[self.origin, self.writes.slots] = greedy
             rows.count = rows.count + 1
             if rows.draft is not None and rows.draft.probe is not None:
@@ -389,15 +432,16 @@ class VerifyLoop:
                                 self.produced)
             return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
         draft = rows.draft
-        offsets, _, no_end = self.per_queries[rows.fed.size(1)]
-        if drafter.top_k == 1:
-            accepted = accepted_length(draft.tokens, greedy[:, :-1], draft.offered)
-            tokens = greedy  # an accepted draft token is the argmax before it
-        else:
-            candidates = logits[:, :-1].topk(min(drafter.top_k, logits.size(-1)), dim=-1).indices
-            accepted = accepted_length(draft.tokens, candidates, draft.offered)
-            tokens = torch.where(offsets < accepted[:, None],
-                                 torch.cat([draft.tokens, greedy[:, -1:]], dim=1), greedy)
+        tables = self.per_queries[rows.fed.size(1)]
+        offsets, no_end = tables.fed_offset, tables.no_end
+        top = self.top_tokens(hidden)                                # (live, Q, top_k)
+        greedy = top[..., 0]                                         # (live, Q): the token after each
+        accepted = accepted_length(draft.tokens, greedy[:, :-1] if drafter.top_k == 1 else top[:, :-1],
+                                   draft.offered)
+        # exact: an accepted draft token is the argmax before it; relaxed: it may be another of
+        # the top-k, and the row's tokens are its accepted draft, then the model's own
+        tokens = greedy if drafter.top_k == 1 else torch.where(
+            offsets < accepted[:, None], torch.cat([draft.tokens, greedy[:, -1:]], dim=1), greedy)
         # every fed index's token goes to its output index; a row's count tells where its output
         # ends, and the next call overwrites what lies past it
         self.produced[self.origin, self.writes.slots] = tokens
@@ -412,6 +456,20 @@ class VerifyLoop:
         verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
                             self.origin, self.produced)
         return verified, accepted, first_end
+
+    def top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(live, Q, top_k) the model's top tokens after each fed position that counts: a row's
+        last token and the draft tokens it offers (`Rows.counted`), best first (top_k 1: the
+        argmax). A position past a row's offer (filler, in a call as wide as the longest offer)
+        gets no output head, the largest projection of a call, and reads NOT_PRODUCED."""
+        counted, k = self.rows.counted, self.drafter.top_k
+        states = hidden if counted is None else hidden.flatten(0, 1).index_select(0, counted)
+        logits = output_logits(self.model, states)                   # (live, Q, V) or (N, V)
+        top = logits.argmax(-1)[..., None] if k == 1 else logits.topk(min(k, logits.size(-1)), dim=-1).indices
+        if counted is None:
+            return top
+        return top.new_full((hidden.size(0) * hidden.size(1), top.size(-1)), NOT_PRODUCED).index_copy_(
+            0, counted, top).view(hidden.size(0), hidden.size(1), -1)
 
     def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
         """The call's one host sync, and what the host decides from it: the tokens each row keeps,
@@ -478,10 +536,13 @@ class VerifyLoop:
             self.positions = self.positions[: len(kept)]
             self.origin = self.live.index[:, None]
             self.writes.rows = self.positions[:, None]
+        rows.counted = None
         if early is not None:
             draft = Draft(carried["draft"], carried.get("offered"), carried.get("probe"))
             if draft.offered is not None:    # no column past the longest offer
-                draft.tokens = draft.tokens[:, : max(host["offered"][r] for r in kept)]
+                offers = [host["offered"][r] for r in kept]
+                draft.tokens = draft.tokens[:, : max(offers)]
+                rows.counted = counted_positions(offers, self.origin.device)
         else:   # drafted after the sync, for the rows that go on only, with the host values they need
             verified = Verified(carried["hidden"], carried["next_token"], rows.count, self.live.index,
                                 self.origin, self.produced)

@@ -13,7 +13,7 @@ import torch
 from decoders import available, build_decoder, decoder_class
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
-                             capped, next_draft_lengths, probed)
+                             bias_tables, capped, counted_positions, next_draft_lengths, probed)
 from decoders.sequential import SequentialDecoder
 from decoders.loop import NOT_PRODUCED, split_flat_output
 from tasks.bench import bounded, with_drafter
@@ -142,3 +142,21 @@ def test_a_row_at_length_0_comes_back_when_its_unfed_draft_would_have_passed():
     assert draft.probe.tolist() == [7, NOT_PRODUCED, 6, NOT_PRODUCED]
     model_tokens = torch.tensor([7, 5, 2, 4])       # the model's tokens after the call
     assert probed(lengths, draft.probe, model_tokens, width=3).tolist() == [3, 0, 0, 2]
+
+
+def test_rows_at_one_count_read_the_bias_every_row_gathers():
+    model, bound, k = tiny_t5(0), 9, 4
+    table, per_queries = bias_tables(model, bound, k, torch.device("cpu"))
+    for queries, tables in per_queries.items():
+        for count in range(bound):
+            gathered = table.gather(count + tables.based_offsets[..., : count + queries])  # (heads, Q, W)
+            shared = tables.one_count[..., bound - 1 - count: bound - 1 + queries]        # (1, heads, Q, W)
+            assert torch.equal(shared[0], gathered), (queries, count)
+
+
+def test_only_the_positions_a_row_offers_count():
+    # rows offering 0, 2 and 1 draft tokens: a call of 3 columns, whose last token and offered
+    # draft tokens are positions row * 3 + 0 .. row * 3 + offer
+    assert counted_positions([0, 2, 1], torch.device("cpu")).tolist() == [0, 3, 4, 5, 6, 7]
+    assert counted_positions([2, 2], torch.device("cpu")) is None   # every position counts
+    assert counted_positions([0, 0], torch.device("cpu")) is None   # one column
