@@ -434,9 +434,8 @@ class VerifyLoop:
         draft = rows.draft
         tables = self.per_queries[rows.fed.size(1)]
         offsets, no_end = tables.fed_offset, tables.no_end
-        top = self.top_tokens(hidden)                                # (live, Q, top_k)
-        greedy = top[..., 0]                                         # (live, Q): the token after each
-        accepted = accepted_length(draft.tokens, greedy[:, :-1] if drafter.top_k == 1 else top[:, :-1],
+        greedy, top = self.top_tokens(hidden)                        # (live, Q): the token after each
+        accepted = accepted_length(draft.tokens, greedy[:, :-1] if top is None else top[:, :-1],
                                    draft.offered)
         # exact: an accepted draft token is the argmax before it; relaxed: it may be another of
         # the top-k, and the row's tokens are its accepted draft, then the model's own
@@ -457,19 +456,23 @@ class VerifyLoop:
                             self.origin, self.produced)
         return verified, accepted, first_end
 
-    def top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(live, Q, top_k) the model's top tokens after each fed position that counts: a row's
-        last token and the draft tokens it offers (`Rows.counted`), best first (top_k 1: the
-        argmax). A position past a row's offer (filler, in a call as wide as the longest offer)
-        gets no output head, the largest projection of a call, and reads NOT_PRODUCED."""
+    def top_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's tokens after each fed position that counts: a row's last token and the draft
+        tokens it offers (`Rows.counted`): its argmax (live, Q), and where top_k > 1 its top-k
+        tokens, best first (live, Q, top_k; None at top_k 1). A position past a row's offer (filler,
+        in a call as wide as the longest offer) gets no output head, the largest projection of a
+        call, and reads NOT_PRODUCED."""
         counted, k = self.rows.counted, self.drafter.top_k
         states = hidden if counted is None else hidden.flatten(0, 1).index_select(0, counted)
         logits = output_logits(self.model, states)                   # (live, Q, V) or (N, V)
-        top = logits.argmax(-1)[..., None] if k == 1 else logits.topk(min(k, logits.size(-1)), dim=-1).indices
-        if counted is None:
-            return top
-        return top.new_full((hidden.size(0) * hidden.size(1), top.size(-1)), NOT_PRODUCED).index_copy_(
-            0, counted, top).view(hidden.size(0), hidden.size(1), -1)
+        greedy = logits.argmax(-1)
+        top = None if k == 1 else logits.topk(min(k, logits.size(-1)), dim=-1).indices
+        if counted is not None:   # (N, ...) back to (live, Q, ...)
+            greedy, top = (None if flat is None else flat.new_full(
+                (hidden.size(0) * hidden.size(1),) + flat.shape[1:], NOT_PRODUCED).index_copy_(
+                0, counted, flat).view(hidden.size(0), hidden.size(1), *flat.shape[1:])
+                for flat in (greedy, top))
+        return greedy, top
 
     def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
         """The call's one host sync, and what the host decides from it: the tokens each row keeps,

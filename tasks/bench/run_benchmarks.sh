@@ -78,7 +78,7 @@ case "${1:-}" in
             trainer.max_epochs=40 trainer.max_time=00:00:35:00 --out results/cnndm.json ;;
     peers)  # the headline tables' examples and batch size, one thread
         python -m tasks.bench.peers --ckpt "$3" --blockwise "$4" --batch-size 16 --examples 100 \
-            --repeats 3 --threads 1 --out "results/peers_$2.json" ;;
+            --repeats 9 --threads 1 --out "results/peers_$2.json" ;;
     pretrain)  # 2000 texts per folder at most, cut to 127 tokens, 8 epochs
         python -m tasks.experiments.pretrain \
             --data "$DATA/cnndm","$DATA/kp20k","$DATA/pubmed","$DATA/multispanqa" \
