@@ -467,12 +467,14 @@ class VerifyLoop:
         logits = output_logits(self.model, states)                   # (live, Q, V) or (N, V)
         greedy = logits.argmax(-1)
         top = None if k == 1 else logits.topk(min(k, logits.size(-1)), dim=-1).indices
-        if counted is not None:   # (N, ...) back to (live, Q, ...)
-            greedy, top = (None if flat is None else flat.new_full(
-                (hidden.size(0) * hidden.size(1),) + flat.shape[1:], NOT_PRODUCED).index_copy_(
-                0, counted, flat).view(hidden.size(0), hidden.size(1), *flat.shape[1:])
-                for flat in (greedy, top))
-        return greedy, top
+        if counted is None:
+            return greedy, top
+        call = hidden.shape[:2]                                      # (live, Q)
+
+        def spread(flat: torch.Tensor) -> torch.Tensor:   # (N, ...) -> (live, Q, ...)
+            full = flat.new_full((call.numel(),) + flat.shape[1:], NOT_PRODUCED)
+            return full.index_copy_(0, counted, flat).view(*call, *flat.shape[1:])
+        return spread(greedy), None if top is None else spread(top)
 
     def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
         """The call's one host sync, and what the host decides from it: the tokens each row keeps,
