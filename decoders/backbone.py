@@ -4,16 +4,15 @@ model run with its weights detached."""
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-from transformers.models.t5.modeling_t5 import T5Block
 
-from decoders.transformers_internals import (attention_implementation, relative_position_buckets,
+from decoders.transformers_internals import (attention_implementation, cached_cross_attention,
+                                             keep_cross_attention, relative_position_buckets,
                                              self_attention_layers)
 
 
@@ -64,17 +63,14 @@ def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor)
 
 
 # ---- running T5's decoder blocks with a custom self-attention structure --------------------------
-# T5 adds both `position_bias` and `attention_mask` to the attention scores of every layer, so one
-# precomputed (B, heads, queries, keys) tensor = relative-position bias + visibility mask (a large
-# negative value where hidden) gives a decoder any attention structure, through the backbone's own
-# weights, under eager and sdpa attention alike (see `run_decoder` for why it goes in as the mask).
+# T5 adds both a relative-position bias and an attention mask to the attention scores of every
+# layer, so one precomputed (B, heads, queries, keys) tensor = relative-position bias + visibility
+# mask (a large negative value where hidden) gives a decoder any attention structure, through the
+# backbone's own weights, under eager and sdpa attention alike.
 
 # Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
 STRUCTURED_ATTENTION = ("eager", "sdpa")
-# The name T5's blocks take the cache under: `cache` in the transformers versions that deprecate the
-# older `past_key_values` (which warn on every use, and will refuse it), `past_key_values` before.
-BLOCK_CACHE_ARGUMENT = ("cache" if "cache" in inspect.signature(T5Block.forward).parameters
-                        else "past_key_values")
+
 
 def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor,
                            bidirectional: bool = False) -> torch.Tensor:
@@ -137,11 +133,18 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
                 position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
     """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
 
-    input_ids: (B, Q) new tokens; self_bias: (B, heads, Q, keys) where keys = cached + Q tokens;
+    input_ids: (B, Q) new tokens; self_bias: (B or 1, heads, Q, keys) where keys = cached + Q tokens;
     encoder_mask: (B, source_len) 1/0 padding mask, or its `cross_attention_mask`, made once per
     decode. Returns the final hidden states (B, Q, d_model).
-    With a cache, the new tokens' keys/values are appended to it, in order. `position_embeddings`
-    ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5 itself has none).
+    With a cache, the new tokens' keys/values are appended to it, in order (through the cache's own
+    `update`), and the encoder's keys/values are computed at the first call and reused after.
+    `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5
+    itself has none).
+
+    The layers run here, from the backbone's own modules and weights, as `T5Block.forward` runs them
+    (the same operations, in the same order), without its per-call bookkeeping: a decoder call of a
+    small T5 on a CPU is mostly Python, and that bookkeeping (cache lookups, kwargs, masks rebuilt,
+    the attention dispatch) costs more than the arithmetic.
     """
     implementation = attention_implementation(model.config)
     if implementation not in STRUCTURED_ATTENTION:
@@ -153,26 +156,74 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     embedded = decoder.embed_tokens(input_ids)
     if position_embeddings is not None:
         embedded = embedded + position_embeddings
-    hidden = decoder.dropout(embedded)
-    # The structure goes in as the self-attention *mask*, never as a None mask: under sdpa a decoder
-    # self-attention without a mask is run as causal (cached keys beyond the query count are even
-    # cropped), which would silently replace the structure. `position_bias` must not be None
-    # either, or layer 0 adds T5's own 1-D relative bias; a broadcast zero adds nothing.
-    no_extra_bias = broadcast_zero(self_bias.dtype, self_bias.device)
-    for block in decoder.block:
-        hidden = block(hidden, attention_mask=self_bias, position_bias=no_extra_bias,
-                       encoder_hidden_states=encoder_states, encoder_attention_mask=cross_mask,
-                       **{BLOCK_CACHE_ARGUMENT: cache})[0]
-    return decoder.dropout(decoder.final_layer_norm(hidden))
+    # dropout only where it drops anything: each module call costs a decoding loop more than its op
+    dropout = decoder.dropout if decoder.training else _unchanged
+    hidden = dropout(embedded)
+    attend = _ATTEND[implementation]
+    for layer, block in enumerate(decoder.block):
+        self_attention, cross_attention, feed_forward = block.layer
+        attention = self_attention.SelfAttention
+        normed = self_attention.layer_norm(hidden)
+        keys, values = _heads(attention, attention.k(normed)), _heads(attention, attention.v(normed))
+        if cache is not None:
+            keys, values = cache.self_attention_cache.update(keys, values, layer)
+        attended = attend(attention, _heads(attention, attention.q(normed)), keys, values, self_bias)
+        hidden = _finite(hidden + dropout(attention.o(attended)))
+
+        attention = cross_attention.EncDecAttention
+        cached = None if cache is None else cached_cross_attention(cache, layer)
+        if cached is None:
+            keys = _heads(attention, attention.k(encoder_states))                 # (B, heads, S, d_kv)
+            values = _heads(attention, attention.v(encoder_states))
+            if cache is not None:
+                keep_cross_attention(cache, layer, keys, values)
+        else:
+            keys, values = cached
+        normed = cross_attention.layer_norm(hidden)
+        attended = attend(attention, _heads(attention, attention.q(normed)), keys, values, cross_mask)
+        hidden = _finite(hidden + dropout(attention.o(attended)))
+        dense = feed_forward.DenseReluDense
+        hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
+    return dropout(decoder.final_layer_norm(hidden))
 
 
-@functools.lru_cache(maxsize=None)
-def broadcast_zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (1, 1, 1, 1) zero, made once per dtype and device: `run_decoder`'s extra position bias,
-    which nothing writes to. Made outside inference mode, so that training may use it after a
-    decode under `torch.inference_mode` made it."""
-    with torch.inference_mode(False):
-        return torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
+def _unchanged(hidden: torch.Tensor) -> torch.Tensor:
+    """Dropout outside training: the states as they are."""
+    return hidden
+
+
+def _heads(attention: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """(B, T, heads * d_kv) -> (B, heads, T, d_kv)."""
+    return projected.view(*projected.shape[:2], -1, attention.key_value_proj_dim).transpose(1, 2)
+
+
+def _eager_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, scores_added: torch.Tensor) -> torch.Tensor:
+    """T5's eager attention (unscaled dot products): (B, heads, Q, d_kv) x keys -> (B, Q, heads * d_kv)."""
+    weights = nn.functional.softmax(torch.matmul(query, key.transpose(2, 3)) + scores_added, dim=-1)
+    weights = nn.functional.dropout(weights, p=attention.dropout, training=attention.training)
+    return torch.matmul(weights, value).transpose(1, 2).flatten(2)
+
+
+def _sdpa_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, scores_added: torch.Tensor) -> torch.Tensor:
+    """The same through `scaled_dot_product_attention`, as transformers' sdpa attention calls it."""
+    attended = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=scores_added, scale=1.0,
+        dropout_p=attention.dropout if attention.training else 0.0)
+    return attended.transpose(1, 2).flatten(2)
+
+
+_ATTEND = {"eager": _eager_attention, "sdpa": _sdpa_attention}
+
+
+def _finite(hidden: torch.Tensor) -> torch.Tensor:
+    """T5Block's guard after each sublayer: float16 states are clamped below infinity."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    largest = torch.finfo(torch.float16).max
+    clamp = torch.where(torch.isinf(hidden).any(), largest - 1000, largest)
+    return torch.clamp(hidden, min=-clamp, max=clamp)
 
 
 # Dynamo keeps one list of graphs for `run_decoder`: each model, cache kind (appending, per-row

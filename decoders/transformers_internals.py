@@ -11,7 +11,11 @@ one, and the GPU tests ran on 5.17):
 - T5's shift of labels into decoder inputs (`T5PreTrainedModel._shift_right`);
 - the cache's layer objects (`DynamicLayer`: `update`, `lazy_initialization`, `keys`, `values`,
   `is_initialized`; `DynamicCache.layers`), which the draft-and-verify loop replaces by layers
-  that write each row's tokens at its own slots.
+  that write each row's tokens at its own slots, and where the encoder-decoder cache keeps the
+  encoder's keys and values once computed (`EncoderDecoderCache.is_updated`);
+- T5's module layout, which `backbone.run_decoder` runs layer by layer: a block's `layer` (self
+  attention, cross attention, feed-forward), their `layer_norm` and `dropout`, an attention's
+  `q`, `k`, `v`, `o`, `key_value_proj_dim` and `dropout`.
 """
 from __future__ import annotations
 
@@ -60,3 +64,19 @@ def cache_with_self_attention_layers(layers: list) -> EncoderDecoderCache:
     self_attention = DynamicCache()  # transformers drops batch rows only from a DynamicCache
     self_attention.layers = layers
     return EncoderDecoderCache(self_attention, DynamicCache())
+
+
+def cached_cross_attention(cache: EncoderDecoderCache, layer: int) -> tuple | None:
+    """The encoder's keys and values that decoder layer `layer` cached at a decode's first call
+    ((B, heads, S, d_kv) each), or None before it."""
+    if not cache.is_updated.get(layer):
+        return None
+    cached = cache.cross_attention_cache.layers[layer]
+    return cached.keys, cached.values
+
+
+def keep_cross_attention(cache: EncoderDecoderCache, layer: int, keys: torch.Tensor,
+                         values: torch.Tensor) -> None:
+    """Cache the encoder's keys and values of decoder layer `layer`, for every later call."""
+    cache.cross_attention_cache.update(keys, values, layer)
+    cache.is_updated[layer] = True

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from decoders.backbone import encode, hidden_mask, new_cache, run_decoder
+from decoders.backbone import (encode, hidden_mask, new_cache, relative_position_bias,
+                               run_decoder)
 from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
@@ -42,6 +43,41 @@ def test_run_decoder_follows_the_given_structure_under_sdpa():
         bias = relative + hidden_mask(visible, relative.dtype)
         outputs.append(run_decoder(model, new, bias, states, attention_mask, cache))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("training", [False, True])
+def test_run_decoder_is_t5s_decoder_stack(implementation, training):
+    """With T5's own causal structure, `run_decoder` gives the hidden states of transformers'
+    decoder stack, and the same gradients, in training (dropout 0, so both are deterministic) and in
+    evaluation; fed in two cached calls, the same states again."""
+    model = under(tiny_t5(2), implementation).train(training)   # dropout_rate 0
+    input_ids, attention_mask = random_batch(2, seed=4)
+    tokens = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(6)
+    distance = positions[:, None] - positions[None, :]                          # (Q, K): q - k
+    causal = (relative_position_bias(model, distance[None])
+              + hidden_mask((distance >= 0)[None], torch.get_default_dtype()))  # (1, heads, Q, K)
+    results = []
+    for run in ("transformers", "run_decoder"):
+        model.zero_grad()
+        states = encode(model, input_ids, attention_mask)
+        if run == "transformers":
+            hidden = model.decoder(input_ids=tokens, encoder_hidden_states=states,
+                                   encoder_attention_mask=attention_mask).last_hidden_state
+        else:
+            hidden = run_decoder(model, tokens, causal, states, attention_mask)
+        hidden.square().sum().backward()
+        results.append((hidden.detach(), [p.grad.clone() for p in model.parameters()]))
+    (expected, expected_grads), (hidden, grads) = results
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=1e-10)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)
+    with torch.no_grad():
+        cache, states = new_cache(), encode(model, input_ids, attention_mask)
+        first = run_decoder(model, tokens[:, :4], causal[:, :, :4, :4], states, attention_mask, cache)
+        rest = run_decoder(model, tokens[:, 4:], causal[:, :, 4:], states, attention_mask, cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", available())

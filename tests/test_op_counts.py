@@ -76,6 +76,22 @@ def test_a_drafters_methods_and_modules_count_as_the_drafters_and_are_restored()
     assert not drafter.model._forward_pre_hooks
 
 
+class Stepping:
+    """A decoder whose model step (the function that runs the decoder layers) is not a module."""
+
+    def model_step(self):
+        return lambda x: x.neg().abs()
+
+
+def test_a_decoders_model_step_counts_as_the_models_and_is_restored():
+    decoder, x = Stepping(), torch.zeros(2)
+    with op_counts.counting_ops([], decoder=decoder) as counter:
+        x = decoder.model_step()(x)      # model: 2
+        x = x * 2                        # loop: 1
+    assert (counter.model, counter.drafter, counter.loop) == (2, 0, 1)
+    assert "model_step" not in vars(decoder)
+
+
 @pytest.mark.numerics  # decodes a random model: see docs/testing.md
 def test_command_counts_every_decoder(tmp_path, capsys):
     out = tmp_path / "ops.json"

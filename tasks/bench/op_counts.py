@@ -8,7 +8,9 @@ for nothing. This counts, while one batch is decoded, every ATen call a `TorchDi
 split in two:
 - model: calls made inside the forward of the T5 modules every decoder runs: the encoder, the
   decoder's token embedding, each decoder block, the decoder's final norm and the output head
-  (`model_modules`). Forward hooks keep a depth count, so a module called inside another counts once.
+  (`model_modules`), and inside a decoder's model step (`Decoder.model_step`, which runs T5's
+  decoder layers itself). Forward hooks keep a depth count, so a module called inside another
+  counts once.
 - drafter: for a decoder that drafts with a model of its own (aggressive's Mask-Predict drafter),
   every call made while it drafts (`drafter_work`): its first draft and its re-drafts, the drafter
   model's passes and their inputs: a decoding by another model, whose loop the `nar` row counts on
@@ -69,11 +71,12 @@ def drafter_work(decoder) -> tuple[list[nn.Module], list[tuple[object, str]]]:
 
 @contextmanager
 def counting_ops(modules: Iterable[nn.Module],
-                 drafter: tuple[list[nn.Module], list[tuple[object, str]]] = ([], [])
-                 ) -> Iterator[OpCounter]:
+                 drafter: tuple[list[nn.Module], list[tuple[object, str]]] = ([], []),
+                 decoder=None) -> Iterator[OpCounter]:
     """Yields an `OpCounter` for the block, whose calls inside the forward of any of `modules`
-    count as the model's, and those inside the forward of the drafter's modules or one of its
-    (object, method name) pairs (`drafter_work`) as the drafter's."""
+    or inside the model step of `decoder` (if given) count as the model's, and those inside the
+    forward of the drafter's modules or one of its (object, method name) pairs (`drafter_work`) as
+    the drafter's."""
     counter = OpCounter()
 
     def entering(depth: str):
@@ -93,8 +96,12 @@ def counting_ops(modules: Iterable[nn.Module],
 
     drafter_modules, drafter_methods = drafter
     handles = hook(modules, "depth") + hook(drafter_modules, "drafting")
-    patched = [(owner, name, drafting(getattr(owner, name), entering("drafting"), leaving("drafting")))
+    patched = [(owner, name, bracketed(getattr(owner, name), entering("drafting"), leaving("drafting")))
                for owner, name in drafter_methods]
+    if decoder is not None:
+        step = decoder.model_step
+        patched.append((decoder, "model_step",
+                        lambda: bracketed(step(), entering("depth"), leaving("depth"))))
     try:
         for owner, name, wrapped in patched:
             setattr(owner, name, wrapped)
@@ -107,7 +114,7 @@ def counting_ops(modules: Iterable[nn.Module],
             delattr(owner, name)   # the method is the class's again
 
 
-def drafting(method, enter, leave):
+def bracketed(method, enter, leave):
     """`method`, calling `enter` before and `leave` after it."""
     def wrapped(*args, **kwargs):
         enter()
@@ -132,7 +139,7 @@ def ops_per_call(model, input_ids, attention_mask, steps: int) -> dict[str, dict
     every bound `steps`."""
     modules = model_modules(model)
     results = counted_decodes(model, input_ids, attention_mask, steps,
-                              lambda decoder: counting_ops(modules, drafter_work(decoder)))
+                              lambda decoder: counting_ops(modules, drafter_work(decoder), decoder))
     return {name: {"loop_ops": counter.loop, "model_ops": counter.model,
                    "drafter_ops": counter.drafter, "decoder_calls": calls,
                    **{f"{part}_per_call": getattr(counter, part) / max(calls, 1)
