@@ -146,7 +146,8 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
                                             result["rows"][0]["not_learned"] is not None)
     assert all(r["drafter_time_share"] is None for r in result["rows"])   # none drafts with a model
     table = out.with_suffix(".md").read_text()
-    assert "not GPU figures" in table
+    assert "not GPU figures" in table and ", 1 thread(s)," in table   # --threads' default
+    assert result["threads"] == torch.get_num_threads() == 1
     assert f"sequential's tokens {'equal' if identical else 'DIFFER FROM'}" in table
 
     peer_out = tmp_path / "peers.json"
@@ -172,6 +173,8 @@ def test_decode_only_benchmarks_refuse_bad_arguments():
         gpu_benchmark.main(["--ckpt", "sequential=s.ckpt", "--batch-sizes", "1,x"])
     with pytest.raises(ConfigError, match=r"--single-examples: every value must be >= 1, got \[0\]"):
         gpu_benchmark.main(["--ckpt", "sequential=s.ckpt", "--single-examples", "0"])
+    with pytest.raises(ConfigError, match=r"--threads: every value must be >= 1, got \[0\]"):
+        gpu_benchmark.main(["--ckpt", "sequential=s.ckpt", "--threads", "0"])
     with pytest.raises(ConfigError, match=r"--prompt-lookup '4,0': every value must be >= 1"):
         peers.main(["--ckpt", "s.ckpt", "--prompt-lookup", "4,0"])
     with pytest.raises(ConfigError, match=r"--batch-size: must be >= 1, got 0"):

@@ -2,7 +2,8 @@
 
     python -m tasks.bench.gpu_benchmark --ckpt sequential=S.ckpt --ckpt pipelined=P.ckpt \\
         [--ckpt lookup=S.ckpt --ckpt aggressive=S.ckpt --drafter N.ckpt] \\
-        [--batch-sizes 1,64] [--precision bf16|fp32] [--repeats 5] [--examples N] [--out FILE.json]
+        [--batch-sizes 1,64] [--precision bf16|fp32] [--repeats 5] [--examples N] [--threads 1] \\
+        [--out FILE.json]
 
 Huang et al. time T5 decoders on one RTX 4090 at batch size 1 and at a large batch (the number was
 lost in our text of the paper; 64 is the default here). This runs that comparison for any
@@ -22,8 +23,9 @@ bound) is marked so and gets no speedup.
 On a CUDA device: time from CUDA events around each decode (the GPU's own clock, no host sync
 inside the timed region other than the decoders' own), peak memory from `max_memory_allocated`
 over the decode, and `--precision bf16` decodes under bf16 autocast. Without CUDA it runs the same
-code on the CPU (timing from the host clock, denormals flushed, memory from the C heap as
-tasks.compare measures it) and says so in its output: CPU figures are not GPU figures.
+code on the CPU (`--threads` torch threads, timing from the host clock, denormals flushed,
+memory from the C heap as tasks.compare measures it) and says so in its output: CPU figures are
+not GPU figures.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.report import not_learned, primary_metric, speedup_cell
-from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
-                                     timing_conditions)
+from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
+                                     time_decoders, timing_conditions)
 from tasks.config import ConfigError
 from tasks.module import subsequence_texts, task_scores
 from tasks.cli import command_line, log, main_guard, show_report
@@ -112,8 +114,7 @@ def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
 
 def markdown(result: dict) -> str:
     primary = result["primary_metric"]
-    caption = (f"{result['device']}, torch {result['torch']}"
-               + (f", CUDA {result['cuda']}" if result["cuda"] else "")
+    caption = (conditions_caption(result)
                + f", precision {result['precision']}, {result['task']}, {result['examples']} test "
                f"examples (batch size 1: the first {result['single_examples']}), median of "
                f"{result['repeats']} passes; baselines scored on the {result['examples']}")
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--examples", type=int, default=None, help="first N test examples (all)")
     parser.add_argument("--single-examples", type=int, default=None,
                         help="time and score batch size 1 on the first N of those (all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
     parser.add_argument("--out", default="results/gpu_benchmark.json")
     args = parser.parse_args(argv)
     try:
@@ -168,12 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, values in (("--batch-sizes", batch_sizes), ("--repeats", [args.repeats]),
                          ("--examples", [1 if args.examples is None else args.examples]),
                          ("--single-examples",
-                          [1 if args.single_examples is None else args.single_examples])):
+                          [1 if args.single_examples is None else args.single_examples]),
+                         ("--threads", [args.threads])):
         if min(values) < 1:
             raise ConfigError(f"{flag}: every value must be >= 1, got {values}")
     paths = parse_checkpoints(args.ckpt)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    conditions = timing_conditions(device)
+    conditions = timing_conditions(device, args.threads)
     if conditions["note"]:
         log.warning(conditions["note"])
     modules, cfgs, datamodule = {}, {}, None

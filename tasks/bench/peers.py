@@ -27,8 +27,8 @@ import torch
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.report import speedup_cell
-from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, time_decoders,
-                                     timing_conditions)
+from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
+                                     time_decoders, timing_conditions)
 from tasks.config import ConfigError
 from tasks.cli import command_line, log, main_guard, show_report
 
@@ -67,8 +67,7 @@ def rows_at(batch_size: int, modules: dict, datamodule, test, device, precision:
 
 
 def markdown(result: dict) -> str:
-    caption = (f"{result['device']}, torch {result['torch']}"
-               + (f", CUDA {result['cuda']}" if result["cuda"] else f", {result['threads']} thread(s)")
+    caption = (conditions_caption(result)
                + f", precision {result['precision']}, {result['task']}, {result['examples']} test "
                f"examples (batch size 1: the first {result['single_examples']}), median of "
                f"{result['repeats']} passes")
@@ -111,10 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
         if value < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    conditions = timing_conditions(device)
+    conditions = timing_conditions(device, args.threads)
     if conditions["note"]:
         log.warning(conditions["note"])
-        torch.set_num_threads(args.threads)
     cfg, built = restored("sequential", args.ckpt)
     sequential = built.module.to(device).eval()
     bound, special = sequential.decoder.max_new_tokens, sequential.decoder.special
@@ -136,8 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                         args.precision, args.repeats)
                 + rows_at(args.batch_size, batched, datamodule, test, device, args.precision,
                           args.repeats))
-    result = {**conditions, "threads": None if device.type == "cuda" else args.threads,
-              "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
+    result = {**conditions, "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
               "examples": len(test), "single_examples": len(test[:args.single_examples]),
               "batch_size": args.batch_size, "rows": rows,
               "command": command_line("tasks.bench.peers", argv)}

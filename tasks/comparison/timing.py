@@ -25,13 +25,24 @@ CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flu
             "not GPU figures")
 
 
-def timing_conditions(device: torch.device) -> dict:
+def timing_conditions(device: torch.device, threads: int) -> dict:
     """What a result timed on `device` records of it: its name, the torch and CUDA versions, and
-    on a CPU the note that the figures are not GPU figures."""
+    on a CPU the torch threads it runs with (set here to `threads`) and the note that the figures
+    are not GPU figures."""
     cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(threads)
     return {"device": torch.cuda.get_device_name(device) if cuda else device.type,
             "note": "" if cuda else CPU_NOTE, "torch": torch.__version__,
-            "cuda": torch.version.cuda if cuda else None}
+            "cuda": torch.version.cuda if cuda else None, "threads": None if cuda else threads}
+
+
+def conditions_caption(conditions: dict) -> str:
+    """The start of a timed table's caption: the device, the torch version, and the CUDA version
+    or the CPU threads."""
+    return (f"{conditions['device']}, torch {conditions['torch']}"
+            + (f", CUDA {conditions['cuda']}" if conditions["cuda"]
+               else f", {conditions['threads']} thread(s)"))
 
 
 def timed(decoder, model, batch: dict, device: torch.device, precision: str):
