@@ -184,7 +184,7 @@ def compose(task: str | None = None, decoder: str | None = None, config_file: st
     _refuse_renamed(settings, "override")
     _refuse_renamed(from_file, f"--config {config_file}")
     if base is not None:
-        base = _with_current_names(base)
+        base = _with_position_heads(_with_current_names(base))
 
     defaults = _load_yaml(CONFIG_DIR / "default.yaml")
     cfg = defaults if base is None else _with_todays_defaults(defaults, OmegaConf.create(base))
@@ -249,6 +249,15 @@ def _with_current_names(stored: dict) -> dict:
                         "as that (deprecated: checkpoints written now store decoder.%s)", old, new, new)
             decoder[new] = decoder.pop(old)
     return {**stored, "decoder": decoder} if "decoder" in stored else stored
+
+
+def _with_position_heads(stored: dict) -> dict:
+    """A stored t5-tiny configuration written before `model.position_heads` existed, with none:
+    its model was initialised without them (today's default may name more heads than it has)."""
+    model = stored.get("model") or {}
+    if model.get("name") != "t5-tiny" or "position_heads" in model:
+        return stored
+    return {**stored, "model": {**model, "position_heads": {"encoder": [], "decoder": []}}}
 
 
 def _with_todays_defaults(defaults: DictConfig, stored: DictConfig) -> DictConfig:
@@ -334,10 +343,31 @@ def _check_values(cfg: DictConfig) -> None:
     problem = _devices_problem(cfg.trainer.get("devices", "auto"))
     if problem is not None:
         raise ConfigError(problem)
+    problem = _position_heads_problem(cfg.model)
+    if problem is not None:
+        raise ConfigError(problem)
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     problem = decoder_class(cfg.decoder.name).options_problem(options)
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _position_heads_problem(model: DictConfig) -> str | None:
+    """`model.position_heads` (t5-tiny's, `tasks.models.start_position_heads`): integer offsets, at
+    most one per head, and none ahead of a decoder head's own output token."""
+    if model.get("position_heads") is None:
+        return None
+    for side in ("encoder", "decoder"):
+        key, offsets = f"model.position_heads.{side}", list(model.position_heads[side])
+        if not all(isinstance(offset, int) and not isinstance(offset, bool) for offset in offsets):
+            return f"{key} must be a list of integers (token offsets), got {offsets!r}"
+        if len(offsets) > model.num_heads:
+            return (f"{key} gives {len(offsets)} offsets, one per head, but model.num_heads is "
+                    f"{model.num_heads}: {offsets!r}")
+        if side == "decoder" and any(offset > 0 for offset in offsets):
+            return (f"{key} must be offsets <= 0 (a decoder head sees only earlier output tokens), "
+                    f"got {offsets!r}")
+    return None
 
 
 def _devices_problem(devices: Any) -> str | None:

@@ -2,11 +2,17 @@
 from a local folder (`model.hub_id=DIR`)."""
 from __future__ import annotations
 
+import torch
 from omegaconf import DictConfig
 from transformers import T5Config, T5ForConditionalGeneration
 
 from datamodules.tokenizer import pretrained_files
-from decoders.transformers_internals import set_attention_implementation
+from decoders.transformers_internals import relative_position_buckets, set_attention_implementation
+
+# The relative-position bias a position head starts with at its offset (`start_position_heads`):
+# exp(8) ~ 3000 times the weight of any other token, so that the head starts out reading
+# nearly only that token in a source of a few hundred.
+POSITION_HEAD_BIAS = 8.0
 
 
 class ModelError(RuntimeError):
@@ -28,7 +34,10 @@ def build_backbone(model: DictConfig, tokenizer,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           decoder_start_token_id=tokenizer.pad_token_id)
         set_attention_implementation(config, model.attn_implementation)
-        return T5ForConditionalGeneration(config)
+        backbone = T5ForConditionalGeneration(config)
+        start_position_heads(backbone, list(model.position_heads.encoder),
+                             list(model.position_heads.decoder))
+        return backbone
     if stored_config is not None:  # random weights, replaced by the checkpoint's
         config = T5Config.from_dict(stored_config, dropout_rate=model.dropout)
         set_attention_implementation(config, model.attn_implementation)
@@ -40,3 +49,31 @@ def build_backbone(model: DictConfig, tokenizer,
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone
+
+
+def start_position_heads(backbone: T5ForConditionalGeneration, encoder: list[int],
+                         decoder: list[int]) -> None:
+    """Start some self-attention heads of a randomly initialised T5 attending by position: encoder
+    head i to the source token `encoder[i]` places away (key position - query position: -1 the
+    token before, 1 the token after), decoder head i to the output token `decoder[i]` places back
+    (<= 0). Each such head's relative-position bias is `POSITION_HEAD_BIAS` at its offset's bucket
+    and 0 at every other; the other heads keep T5's random init. Training then moves them as any
+    other weight.
+
+    Why: T5 sees positions only through that bias, one number per head and distance bucket shared
+    by the stack's layers, which T5 initialises near 0, and no position reaches its cross-attention
+    at all. A rule about what stands next to what (built-in QA's: a value belongs to the person a
+    few words before it, an object's noun to the colour right before it) can only be learned once
+    some heads attend by position, and from a random start the biases take many examples to get
+    there (results/README.md#built-in-qa)."""
+    for stack, offsets, bidirectional in ((backbone.encoder, encoder, True),
+                                          (backbone.decoder, decoder, False)):
+        if not offsets:
+            continue
+        attention = stack.block[0].layer[0].SelfAttention    # the stack's one bias table
+        table = attention.relative_attention_bias.weight    # (buckets, heads)
+        heads = torch.arange(len(offsets))
+        buckets = relative_position_buckets(attention, torch.tensor(offsets), bidirectional)
+        with torch.no_grad():
+            table[:, : len(offsets)] = 0.0
+            table[buckets, heads] = POSITION_HEAD_BIAS

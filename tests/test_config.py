@@ -129,6 +129,30 @@ def test_stored_config_of_an_older_version_gets_new_keys_with_defaults():
     assert cfg.model.initializer_factor == 1.0 and cfg.decoder.delay == 2
 
 
+def test_a_stored_t5_tiny_without_position_heads_had_none():
+    """A t5-tiny checkpoint written before `model.position_heads` was initialised without them, with
+    as many heads as it says (fewer, here, than today's default names)."""
+    stored = OmegaConf.to_container(compose("qa", None, None, ["model.num_heads=4", "model.d_kv=32",
+                                                          "model.position_heads.encoder=[-1]"]))
+    del stored["model"]["position_heads"]
+    cfg = compose(None, None, None, [], base=stored)
+    assert cfg.model.num_heads == 4
+    assert list(cfg.model.position_heads.encoder) == list(cfg.model.position_heads.decoder) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.position_heads.decoder=[1]", r"model.position_heads.decoder must be offsets <= 0 "
+                                         r"\(a decoder head sees only earlier output tokens\), got \[1\]"),
+    ("model.position_heads.encoder=[1,2,3,4,5]",
+     r"model.position_heads.encoder gives 5 offsets, one per head, but model.num_heads is 4"),
+    ("model.position_heads.encoder=[-1,next]",
+     r"model.position_heads.encoder must be a list of integers \(token offsets\), got \[-1, 'next'\]"),
+])
+def test_bad_position_heads(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose("qa", overrides=[override])
+
+
 def test_bad_task_and_level():
     with pytest.raises(ConfigError, match="unknown task 'poetry'; allowed: keyphrase, qa, summarization"):
         compose("poetry")

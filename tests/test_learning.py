@@ -11,7 +11,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from decoders.transformers_internals import relative_position_buckets
 from tasks import fit
+from tasks.config import compose
+from tasks.models import build_backbone
 from tasks.module import parameter_groups
 from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
@@ -43,6 +46,40 @@ def test_the_position_biases_learn_at_their_own_rate():
     other_moves = [move for name, move in moved.items() if "relative_attention_bias" not in name]
     assert bias_moves == pytest.approx([0.5, 0.5], rel=1e-3)
     assert max(other_moves) == pytest.approx(1e-3, rel=1e-3)
+
+
+class _Vocabulary:
+    """What `build_backbone` reads of a tokenizer."""
+    pad_token_id, eos_token_id = 0, 1
+
+    def __len__(self):
+        return 50
+
+
+def test_position_heads_start_attending_to_their_offsets():
+    """t5-tiny's `model.position_heads`: each listed head starts with nearly all of its attention on
+    the token at its offset, from every query that has one; the other heads start near uniform."""
+    cfg = compose("qa")
+    backbone = build_backbone(cfg.model, _Vocabulary())
+    length = 24
+    positions = torch.arange(length)
+    relative = positions[None, :] - positions[:, None]                    # (query, key): key - query
+    for stack, offsets, bidirectional in ((backbone.encoder, cfg.model.position_heads.encoder, True),
+                                          (backbone.decoder, cfg.model.position_heads.decoder, False)):
+        assert offsets, "the default starts some heads by position in each stack"
+        attention = stack.block[0].layer[0].SelfAttention
+        with torch.no_grad():
+            bias = attention.relative_attention_bias(
+                relative_position_buckets(attention, relative, bidirectional))  # (query, key, heads)
+        if not bidirectional:   # a decoder query sees no later token
+            bias = bias.masked_fill((relative > 0)[..., None], float("-inf"))
+        weights = bias.softmax(dim=1)
+        for head, offset in enumerate(offsets):
+            queries = positions[(positions + offset >= 0) & (positions + offset < length)]
+            assert (weights[queries, queries + offset, head] > 0.99).all(), (head, offset)
+        others = weights[length // 2, :, len(offsets):]
+        assert others.numel() == 0 or others.max() < 0.2   # T5's random init: near uniform
+    assert len(cfg.model.position_heads.decoder) < cfg.model.num_heads  # a head of each kind seen
 
 
 @pytest.mark.slow
