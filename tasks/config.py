@@ -363,7 +363,8 @@ def _position_heads_problem(model: DictConfig) -> str | None:
             return f"{key} must be a list of integers (token offsets), got {offsets!r}"
         if len(offsets) > model.num_heads:
             return (f"{key} gives {len(offsets)} offsets, one per head, but model.num_heads is "
-                    f"{model.num_heads}: {offsets!r}")
+                    f"{model.num_heads}: {offsets!r}; set {key} to at most {model.num_heads} "
+                    f"offsets, or [] for none")
         if side == "decoder" and any(offset > 0 for offset in offsets):
             return (f"{key} must be offsets <= 0 (a decoder head sees only earlier output tokens), "
                     f"got {offsets!r}")

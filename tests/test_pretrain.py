@@ -20,7 +20,7 @@ from tasks.runs.restore import checkpoint_config
 
 MASK = 4
 TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
-              "model.vocab_size=300"]
+              "model.position_heads.encoder=[-1,1]", "model.vocab_size=300"]
 TINY = [*TINY_MODEL, "data.max_target_length=40", "train.batch_size=8", "trainer.max_epochs=1",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
 WORDS = ["graph", "network", "learning", "model", "data", "search", "query", "index", "vertex",
