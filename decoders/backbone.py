@@ -11,9 +11,9 @@ from torch import nn
 from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from decoders.transformers_internals import (attention_implementation, cached_cross_attention,
-                                             keep_cross_attention, relative_position_buckets,
-                                             self_attention_layers)
+from decoders.transformers_internals import (attention_implementation, bias_owner,
+                                             cached_cross_attention, keep_cross_attention,
+                                             relative_position_buckets, self_attention_layers)
 
 
 def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
@@ -80,7 +80,7 @@ def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Te
     distance: (B, queries, keys) ints -> (B, heads, queries, keys). Uses T5's own bucketing and the
     first decoder layer's bias table (only layer 0 owns one).
     """
-    attention = model.decoder.block[0].layer[0].SelfAttention
+    attention = bias_owner(model.decoder)
     buckets = relative_position_buckets(attention, -distance, bidirectional)
     return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
 

@@ -4,7 +4,8 @@ renames or reshapes breaks here first, and only here.
 They hold for the transformers versions `pyproject.toml` allows (the suite runs on the installed
 one, and the GPU tests ran on 5.17):
 - T5's relative position bucketing (`T5Attention._relative_position_bucket`), which the decoders'
-  own attention structures reuse so that their biases are T5's;
+  own attention structures reuse so that their biases are T5's, and where a stack keeps its bias
+  table (`bias_owner`: the first block's self-attention);
 - the configuration's attention implementation (`PretrainedConfig._attn_implementation`), read to
   refuse one the decoders' structured attention cannot pass its mask to, and set when a backbone
   is built from a configuration;
@@ -25,6 +26,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 # the base class of a decoder cache layer: keys and values (B, heads, K, head_dim) and the `update`
 # every attention layer calls with its new keys and values
 CacheLayer = DynamicLayer
+
+
+def bias_owner(stack):
+    """The T5Attention of a T5 stack (encoder or decoder) that owns the stack's relative-position
+    bias table: the first block's self-attention; the other layers reuse the bias it computes."""
+    return stack.block[0].layer[0].SelfAttention
 
 
 def relative_position_buckets(attention, relative_position: torch.Tensor,

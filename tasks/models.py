@@ -7,7 +7,8 @@ from omegaconf import DictConfig
 from transformers import T5Config, T5ForConditionalGeneration
 
 from datamodules.tokenizer import pretrained_files
-from decoders.transformers_internals import relative_position_buckets, set_attention_implementation
+from decoders.transformers_internals import (bias_owner, relative_position_buckets,
+                                             set_attention_implementation)
 
 # The relative-position bias a position head starts with at its offset (`start_position_heads`):
 # exp(8) ~ 3000 times the weight of any other token, so that the head starts out reading
@@ -70,7 +71,7 @@ def start_position_heads(backbone: T5ForConditionalGeneration, encoder: list[int
                                           (backbone.decoder, decoder, False)):
         if not offsets:
             continue
-        attention = stack.block[0].layer[0].SelfAttention    # the stack's one bias table
+        attention = bias_owner(stack)
         table = attention.relative_attention_bias.weight    # (buckets, heads)
         heads = torch.arange(len(offsets))
         buckets = relative_position_buckets(attention, torch.tensor(offsets), bidirectional)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from decoders.transformers_internals import relative_position_buckets
+from decoders.transformers_internals import bias_owner, relative_position_buckets
 from tasks import fit
 from tasks.config import compose
 from tasks.models import build_backbone
@@ -67,7 +67,7 @@ def test_position_heads_start_attending_to_their_offsets():
     for stack, offsets, bidirectional in ((backbone.encoder, cfg.model.position_heads.encoder, True),
                                           (backbone.decoder, cfg.model.position_heads.decoder, False)):
         assert offsets, "the default starts some heads by position in each stack"
-        attention = stack.block[0].layer[0].SelfAttention
+        attention = bias_owner(stack)
         with torch.no_grad():
             bias = attention.relative_attention_bias(
                 relative_position_buckets(attention, relative, bidirectional))  # (query, key, heads)

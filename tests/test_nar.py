@@ -11,6 +11,7 @@ from decoders import build_decoder
 from decoders.backbone import (encode, hidden_mask, output_logits, relative_position_bias,
                                run_decoder)
 from decoders.sequential import join_subsequences
+from decoders.transformers_internals import bias_owner
 from tasks.config import compose
 from transformers import T5Config
 from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, briefly_trained,
@@ -392,7 +393,7 @@ def test_all_mask_first_pass_tells_positions_apart():
 
 def test_bidirectional_bias_uses_t5_bidirectional_buckets():
     model = tiny_t5(0)
-    attention = model.decoder.block[0].layer[0].SelfAttention
+    attention = bias_owner(model.decoder)
     bias = nar.bidirectional_position_bias(model, 5, torch.device("cpu"))   # (1, heads, 5, 5)
     # key 4 of query 1 lies 3 ahead: bidirectional bucket of +3 = 16 (future half) + 3
     assert torch.equal(bias[0, :, 1, 4], attention.relative_attention_bias.weight[16 + 3])
