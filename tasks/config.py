@@ -277,6 +277,8 @@ VALUE_RANGES: dict[str, Range] = {
     "seed": Range(ge=0, le=2 ** 32 - 1, note="the seeds NumPy accepts"),
     "task.max_epochs": Range(ge=-1, note="-1: no limit"),  # the default of trainer.max_epochs
     "task.builtin_train_size": Range(ge=1),            # the default of data.train_size (builtin)
+    "task.attention_heads.count": Range(ge=1),        # the defaults of t5-tiny's model.num_heads
+    "task.attention_heads.dimensions": Range(ge=1),   # and model.d_kv
     "train.batch_size": Range(ge=1),
     "model.lr": Range(gt=0, integer=False),  # the default of train.lr
     "train.lr": Range(gt=0, integer=False),
@@ -335,8 +337,8 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"task.level={cfg.task.level!r}; allowed: phrase, sentence")
     for key, allowed in VALUE_RANGES.items():
         group, _, name = key.rpartition(".")
-        siblings = cfg[group] if group else cfg
-        value = siblings.get(name, _ABSENT)
+        siblings = OmegaConf.select(cfg, group) if group else cfg   # group: a dotted path
+        value = _ABSENT if siblings is None else siblings.get(name, _ABSENT)
         problem = None if value is _ABSENT else allowed.problem(key, value, siblings)
         if problem is not None:
             raise ConfigError(problem)

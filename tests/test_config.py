@@ -140,11 +140,26 @@ def test_a_stored_t5_tiny_without_position_heads_had_none():
     assert list(cfg.model.position_heads.encoder) == list(cfg.model.position_heads.decoder) == []
 
 
+def test_t5_tiny_takes_the_tasks_attention_heads():
+    """t5-tiny's head count and width per head default to the task's (`task.attention_heads`); a
+    model override still wins, and a bad value is named."""
+    shapes = {task: (compose(task).model.num_heads, compose(task).model.d_kv)
+              for task in ("keyphrase", "qa", "summarization")}
+    assert shapes == {"keyphrase": (4, 32), "qa": (8, 16), "summarization": (4, 32)}
+    keyphrase = compose("keyphrase", overrides=["task.attention_heads.count=2",
+                                                "task.attention_heads.dimensions=64"]).model
+    assert (keyphrase.num_heads, keyphrase.d_kv) == (2, 64)
+    qa = compose("qa", overrides=["model.num_heads=16", "model.d_kv=8"]).model
+    assert (qa.num_heads, qa.d_kv) == (16, 8)
+    with pytest.raises(ConfigError, match="task.attention_heads.count must be an integer >= 1, got 0"):
+        compose("keyphrase", overrides=["task.attention_heads.count=0"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.position_heads.decoder=[1]", r"model.position_heads.decoder must be offsets <= 0 "
                                          r"\(a decoder head sees only earlier output tokens\), got \[1\]"),
-    ("model.position_heads.encoder=[1,2,3,4,5]",
-     r"model.position_heads.encoder gives 5 offsets, one per head, but model.num_heads is 4"),
+    ("model.position_heads.encoder=[1,2,3,4,5,6,7,8,9]",
+     r"model.position_heads.encoder gives 9 offsets, one per head, but model.num_heads is 8"),
     ("model.position_heads.encoder=[-1,next]",
      r"model.position_heads.encoder must be a list of integers \(token offsets\), got \[-1, 'next'\]"),
 ])
