@@ -8,9 +8,10 @@ token is right or wrong. This counts both, with the mean loss, separately by the
 flat layout (s_1 <sep> s_2 ... s_m </s>): the first token of the 1st, 2nd, ... subsequence, a later
 token of one, a separator, the end token. Where the first token of a subsequence is guessed wrong, it
 also counts whether the guess is the first token of a later subsequence of the same target (the model
-knows what comes but not in which order) or of an earlier one (it would repeat one). A set metric
-(em_f1 scores answers as a set) cannot tell these apart from not knowing the answers at all; greedy
-decoding turns an order guessed wrong into answers missed or repeated.
+knows what comes but not in which order), of an earlier one (it would repeat one) or of none (it
+would write something the target lacks). A set metric (em_f1 scores answers as a set) counts only
+the last as wrong, while greedy decoding can turn an order guessed wrong into answers missed or
+repeated.
 
 For checkpoints of the sequential layout (trained with sequential or blockwise, the models lookup and
 aggressive decode); any other is refused before data or model work. The split is read and cut to
