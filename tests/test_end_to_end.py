@@ -16,7 +16,7 @@ from tests.conftest import save_checkpoint
 
 TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8",
         "model.d_model=32", "model.d_ff=64", "model.d_kv=16", "model.num_heads=2",
-        "model.position_heads.encoder=[-1,1]",  # QA's default names 4 heads
+        "model.position_heads.encoder=[-1,1]",  # QA's default names 6 encoder heads
         "model.vocab_size=300", "data.max_target_length=40", "train.batch_size=8",
         "trainer.max_epochs=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
 

@@ -3,7 +3,7 @@
 A model that has not learned the task writes one name dozens of times until the length bound stops
 it (what 3e-3 and dropout 0.1, t5-tiny's former defaults, gave on 4000 examples seen twice: 64 of
 100 outputs at the bound, one answer up to 48 times in an output; the defaults give none at the
-bound and at most 5 repeats on this budget). No particular output is checked.
+bound and at most 4 repeats on this budget). No particular output is checked.
 """
 import collections
 
