@@ -90,27 +90,39 @@ def next_draft_lengths(lengths: torch.Tensor, offered: torch.Tensor, accepted: t
                        width: int) -> torch.Tensor:
     """The adaptive schedule, per row (all (live,)): a row offers what its last draft achieved.
     After a call whose draft the model accepted whole, the drafter's whole width m; after one it cut
-    short, as many tokens as it accepted (0 when none); a row that offered nothing keeps its length.
+    short, as many tokens as it accepted (0 when none); a row that fed no draft keeps its length
+    (its probe, `probed`, may move it).
 
     Why this and not transformers' assisted-decoding heuristic (2 more after a whole draft, 1 fewer
-    after a cut one, floor 1): in a batch a call is as wide as its longest offer, so every token a
-    row offers in vain widens the call for all rows, and outputs of a few words (answers, phrases)
+    after a cut one, floor 1): in a batch a call is as wide as its widest fed draft, so every token
+    a row offers in vain widens the call for all rows, and outputs of a few words (answers, phrases)
     end before a length falling by 1 reaches the floor. Here a failed draft silences its row at
-    once, and finding out whether drafts pass again is free: a row at 0 feeds nothing, but its
-    draft's first token is still compared with the model's next token (`Draft.probe`, `probed`),
-    and a match counts as a one-token draft accepted whole, so the row offers m again, e.g. on the
-    next span its output copies. Each row keeps its own length: one row's rejected drafts do not
-    shorten another's."""
+    once, and finding out whether drafts pass again is free: a row that feeds no draft still has its
+    draft's first token compared with the model's next token (`Draft.probe`, `probed`), and a match
+    counts as a one-token draft accepted whole, so the row offers m again, e.g. on the next span its
+    output copies. Each row keeps its own length: one row's rejected drafts do not shorten
+    another's."""
     tried = offered > 0
     return torch.where(tried, torch.where(accepted >= offered, width, accepted), lengths)
 
 
 def probed(lengths: torch.Tensor, probe: torch.Tensor, next_tokens: torch.Tensor,
            width: int) -> torch.Tensor:
-    """`lengths` (live,) with every row whose probe (its unfed draft's first token, `Draft.probe`)
-    is the model's next token (live,) back at the drafter's width m: only rows at length 0 have
-    a probe."""
-    return torch.where(probe == next_tokens, width, lengths)
+    """`lengths` (live,) moved by the probes (`Draft.probe`: the first token of a draft the call did
+    not feed; NOT_PRODUCED where there is none): a probe that is the model's next token (live,) is
+    a one-token draft accepted whole (the row offers m next), one that is not is a draft rejected at
+    once (0)."""
+    return torch.where(probe == next_tokens, width, torch.where(probe == NOT_PRODUCED, lengths, 0))
+
+
+def call_width(offers: list[int]) -> int:
+    """How many draft tokens an adaptive call feeds per row, given every row's offer (host ints):
+    the longest offer that at least half the rows make. A call is as wide as this for every row, so
+    a few rows' long offers would make the many rows that offer nothing compute filler columns;
+    those rows' drafts are cut to this width (to no draft when most rows offer none), and the row
+    whose draft is not fed probes it instead (`capped`, `probed`). At batch size 1 it is the row's
+    own offer."""
+    return sorted(offers, reverse=True)[(len(offers) - 1) // 2]
 
 
 def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
@@ -237,6 +249,14 @@ def capped(lengths: torch.Tensor | None, draft: Draft) -> Draft:
                  torch.where(silenced, draft.tokens[:, 0], NOT_PRODUCED))
 
 
+def narrowed(offers: list[int], draft: Draft, width: int) -> tuple[list[int], Draft]:
+    """`draft` (and its rows' `offers`, host ints) cut to `width` draft tokens per row
+    (`call_width`); at width 0 every row that offered a token probes its first one instead."""
+    offered = draft.offered.clamp(max=width)
+    probe = draft.probe if width else torch.where(draft.offered > 0, draft.tokens[:, 0], draft.probe)
+    return [min(offer, width) for offer in offers], Draft(draft.tokens, offered, probe)
+
+
 # What the loop counts of every drafter's drafts, summed over a decode (its `stats` keys).
 LOOP_COUNTERS = (
     "draft_tokens_offered",      # draft tokens offered to the model (a row's filler past them excluded)
@@ -333,23 +353,35 @@ class CallTables(NamedTuple):
                                  # c: its columns bound - 1 - c .. bound - 2 + Q, slots 0 .. c + Q - 1
 
 
-def bias_tables(model, bound: int, k: int, device: torch.device) -> tuple[HeadTable, dict]:
+def bias_tables(model, bound: int, k: int, device: torch.device) -> tuple[HeadTable, "CallTablesByWidth"]:
     """T5's bias of every distance a call can meet, made once per decode (each call only gathers
-    from it, or slices it), and per number of fed tokens Q (1 .. k) the call's `CallTables`. Query
-    positions reach bound + k - 2; a slot in a query's future (a negative distance, down to
-    -(bound + k)) reads a hidden entry, the dtype's lowest."""
+    from it, or slices it), and per number of fed tokens Q (1 .. k) the call's `CallTables`, made
+    at the first call of that width. Query positions reach bound + k - 2; a slot in a query's
+    future (a negative distance, down to -(bound + k)) reads a hidden entry, the dtype's lowest."""
     far = bound + k
     past = past_distance_bias_table(model, far)                     # (far + 1, heads): 0..far
     hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
     table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
-    tables = {}
-    for queries, (fed_offset, query_minus_slot, no_end) in call_index_tables(k, far, device).items():
+    return table, CallTablesByWidth(table, bound, call_index_tables(k, far, device))
+
+
+class CallTablesByWidth(dict):
+    """Q -> `CallTables`, each made when a call of Q fed tokens first needs it: a decode whose
+    drafts rarely pass feeds one token per call, and pays for no wider call's tables."""
+
+    def __init__(self, table: HeadTable, bound: int, index_tables: dict):
+        super().__init__()
+        self.table, self.bound, self.index_tables = table, bound, index_tables
+
+    def __missing__(self, queries: int) -> CallTables:
+        fed_offset, query_minus_slot, no_end = self.index_tables[queries]
         # fed index - (slot - c), for slot - c from -(bound - 1) (the first slot of a row at the
         # highest count) to Q - 1
-        relative = fed_offset[:, None] - torch.arange(1 - bound, queries, device=device)
-        tables[queries] = CallTables(fed_offset, table.base + query_minus_slot, no_end,
-                                     table.gather(table.base + relative)[None])
-    return table, tables
+        relative = fed_offset[:, None] - torch.arange(1 - self.bound, queries, device=fed_offset.device)
+        tables = CallTables(fed_offset, self.table.base + query_minus_slot, no_end,
+                            self.table.gather(self.table.base + relative)[None])
+        self[queries] = tables
+        return tables
 
 
 def counted_positions(offers: list[int], device: torch.device) -> torch.Tensor | None:
@@ -546,6 +578,8 @@ class VerifyLoop:
             draft = Draft(carried["draft"], carried.get("offered"), carried.get("probe"))
             if draft.offered is not None:    # no column past the longest offer
                 offers = [host["offered"][r] for r in kept]
+                if rows.lengths is not None and call_width(offers) < max(offers):
+                    offers, draft = narrowed(offers, draft, call_width(offers))
                 draft.tokens = draft.tokens[:, : max(offers)]
                 rows.counted = counted_positions(offers, self.origin.device)
         else:   # drafted after the sync, for the rows that go on only, with the host values they need

@@ -13,7 +13,8 @@ import torch
 from decoders import available, build_decoder, decoder_class
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
-                             bias_tables, capped, counted_positions, next_draft_lengths, probed)
+                             bias_tables, call_width, capped, counted_positions, narrowed,
+                             next_draft_lengths, probed)
 from decoders.sequential import SequentialDecoder
 from decoders.loop import NOT_PRODUCED, split_flat_output
 from tasks.bench import bounded, with_drafter
@@ -133,21 +134,39 @@ def test_the_adaptive_length_is_what_the_last_draft_achieved():
     assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 1, 0, 3, 4, 0]
 
 
-def test_a_row_at_length_0_comes_back_when_its_unfed_draft_would_have_passed():
-    lengths = torch.tensor([0, 0, 0, 2])
-    offered = torch.tensor([3, 0, 2, 4])           # the drafter's offers, before the lengths cut them
-    draft = capped(lengths, Draft(torch.tensor([[7, 8, 9], [5, 5, 5], [6, 1, 1], [4, 4, 4]]), offered))
-    assert draft.offered.tolist() == [0, 0, 0, 2]
+def test_a_probe_moves_the_length_as_a_one_token_draft_would():
+    lengths = torch.tensor([0, 0, 0, 2, 3, 4])
+    offered = torch.tensor([3, 0, 2, 4, 1, 2])      # the drafter's offers, before the lengths cut them
+    tokens = torch.tensor([[7, 8, 9], [5, 5, 5], [6, 1, 1], [4, 4, 4], [3, 3, 3], [9, 9, 9]])
+    draft = capped(lengths, Draft(tokens, offered))
+    assert draft.offered.tolist() == [0, 0, 0, 2, 1, 2]
     # only rows at 0 whose drafter offered a token have a probe: its first draft token
-    assert draft.probe.tolist() == [7, NOT_PRODUCED, 6, NOT_PRODUCED]
-    model_tokens = torch.tensor([7, 5, 2, 4])       # the model's tokens after the call
-    assert probed(lengths, draft.probe, model_tokens, width=3).tolist() == [3, 0, 0, 2]
+    assert draft.probe.tolist() == [7, NOT_PRODUCED, 6] + [NOT_PRODUCED] * 3
+    # a call that feeds no draft (most rows offer none): every row that offered probes instead
+    offers, unfed = narrowed(draft.offered.tolist(), draft, 0)
+    assert offers == [0] * 6 and unfed.offered.tolist() == [0] * 6
+    assert unfed.probe.tolist() == [7, NOT_PRODUCED, 6, 4, 3, 9]
+    model_tokens = torch.tensor([7, 5, 2, 4, 1, 9])  # the model's tokens after the call
+    # hit: back to m (a one-token draft accepted whole); miss: 0 (rejected at once); no probe: kept
+    assert probed(lengths, unfed.probe, model_tokens, width=3).tolist() == [3, 0, 0, 3, 0, 3]
+
+
+def test_a_call_is_as_wide_as_half_its_rows_offer():
+    assert call_width([3]) == 3                      # batch size 1: the row's own offer
+    assert call_width([4, 0, 0]) == 0                # one row of three offers: no draft fed
+    assert call_width([4, 0]) == 4                   # half the rows
+    assert call_width([4, 2, 1, 0, 0]) == 1
+    offers, draft = narrowed([4, 2, 1, 0, 0], Draft(torch.arange(20).view(5, 4), torch.tensor([4, 2, 1, 0, 0]),
+                                                    torch.full((5,), NOT_PRODUCED)), 1)
+    assert offers == [1, 1, 1, 0, 0] and draft.offered.tolist() == [1, 1, 1, 0, 0]
+    assert draft.probe.tolist() == [NOT_PRODUCED] * 5   # every offering row still feeds a token
 
 
 def test_rows_at_one_count_read_the_bias_every_row_gathers():
     model, bound, k = tiny_t5(0), 9, 4
     table, per_queries = bias_tables(model, bound, k, torch.device("cpu"))
-    for queries, tables in per_queries.items():
+    for queries in range(1, k + 1):
+        tables = per_queries[queries]
         for count in range(bound):
             gathered = table.gather(count + tables.based_offsets[..., : count + queries])  # (heads, Q, W)
             shared = tables.one_count[..., bound - 1 - count: bound - 1 + queries]        # (1, heads, Q, W)
