@@ -28,7 +28,8 @@ accepted, cut at a separator), which the host adds up.
 Draft length (`draft_length`): `fixed` offers the drafter's whole width m on every call; `adaptive`
 gives each row its own length (`next_draft_lengths`): as many tokens as its last draft got accepted,
 m after one accepted whole, so that a row whose drafts fail falls back to one-token calls while
-another row's drafts pass.
+another row's drafts pass; and a call feeds no wider a draft than half its rows offer
+(`call_width`), so that one row's long draft does not widen the call for all.
 
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's

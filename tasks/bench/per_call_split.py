@@ -3,6 +3,10 @@
     python -m tasks.bench.per_call_split sequential=S.ckpt pipelined=P.ckpt [--examples 100]
         [--batch-size 1]
 
+Each NAME=PATH is decoded by decoder NAME where NAME is a registered decoder of the checkpoint's
+layout (lookup=S.ckpt decodes a sequential checkpoint by lookup), else by the decoder it was
+trained with.
+
 Decodes the first test examples in batches of `--batch-size` (one thread, denormals flushed,
 after a warm-up; the median of 5 passes, the decoders interleaved in each pass), timing the
 encoder (`encode`, once per batch), the decoder calls into the model (`run_decoder`,
@@ -29,9 +33,8 @@ import torch
 
 import decoders.backbone as backbone
 from decoders.blockwise import BlockwiseDecoder
-from tasks.bench import replace_backbone_calls
+from tasks.bench import replace_backbone_calls, restored
 from tasks.comparison.plan import parse_checkpoints
-from tasks.runs.restore import restore_as_trained
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("checkpoints", nargs="+", metavar="NAME=PATH")
@@ -66,7 +69,7 @@ BlockwiseDecoder.proposal_logits = timed(BlockwiseDecoder.proposal_logits, "head
 
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
-    built = restore_as_trained(path)
+    _, built = restored(name, path)
     examples = built.datamodule.dataset("test").examples[:args.examples]
     decoders[name] = (built.module.eval(), [built.datamodule.collate(examples[i:i + args.batch_size])
                                             for i in range(0, len(examples), args.batch_size)])
