@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from decoders import available, build_decoder, decoder_class
+from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
                              bias_tables, call_width, capped, counted_positions, narrowed,
@@ -98,6 +98,37 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     assert sum(accepted_per_row(out)) > 0
     assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width)
     assert out.stats["draft_tokens_accepted"] >= sum(accepted_per_row(out)) > 0
+
+
+@pytest.mark.parametrize("name", ["lookup", "blockwise"])   # they draft before the sync: their calls narrow
+def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypatch):
+    model, decoder = trained(name)
+    decoder.draft_length = ADAPTIVE
+    cut: list[int] = []   # draft tokens cut, per call narrowed to a width of 1 or more
+    fed: list[int] = []   # draft tokens fed, per call after the first
+
+    def counting_cut(offers, draft, width):
+        if width:
+            cut.append(sum(offer - min(offer, width) for offer in offers))
+        return narrowed(offers, draft, width)
+
+    def counting_fed(offers, device):
+        fed.append(sum(offers))
+        return counted_positions(offers, device)
+    monkeypatch.setattr(drafts, "narrowed", counting_cut)
+    monkeypatch.setattr(drafts, "counted_positions", counting_fed)
+
+    def narrowing(input_ids, attention_mask):
+        """a call that fed draft tokens, fewer than some row offered"""
+        cut.clear()
+        decoder.generate(model, input_ids, attention_mask)
+        return sum(cut) > 0
+    input_ids, attention_mask = first_batch_where(narrowing, 8, max_len=9, seed=60, tries=40)
+    cut.clear(), fed.clear()
+    out = assert_greedy(decoder, model, input_ids, attention_mask)
+    assert sum(cut) > 0
+    # what the loop counts as offered is what it fed, not what the drafter offered before the cut
+    assert out.stats["draft_tokens_offered"] == sum(fed)
 
 
 class RepeatingDrafter(DraftAndVerifyDecoder):
