@@ -579,8 +579,9 @@ class VerifyLoop:
             draft = Draft(carried["draft"], carried.get("offered"), carried.get("probe"))
             if draft.offered is not None:    # no column past the longest offer
                 offers = [host["offered"][r] for r in kept]
-                if rows.lengths is not None and call_width(offers) < max(offers):
-                    offers, draft = narrowed(offers, draft, call_width(offers))
+                fed_width = max(offers) if rows.lengths is None else call_width(offers)
+                if fed_width < max(offers):
+                    offers, draft = narrowed(offers, draft, fed_width)
                 draft.tokens = draft.tokens[:, : max(offers)]
                 rows.counted = counted_positions(offers, self.origin.device)
         else:   # drafted after the sync, for the rows that go on only, with the host values they need

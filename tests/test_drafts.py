@@ -124,7 +124,8 @@ def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypa
         decoder.generate(model, input_ids, attention_mask)
         return sum(cut) > 0
     input_ids, attention_mask = first_batch_where(narrowing, 8, max_len=9, seed=60, tries=40)
-    cut.clear(), fed.clear()
+    cut.clear()
+    fed.clear()
     out = assert_greedy(decoder, model, input_ids, attention_mask)
     assert sum(cut) > 0
     # what the loop counts as offered is what it fed, not what the drafter offered before the cut
