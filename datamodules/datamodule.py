@@ -114,6 +114,7 @@ class SubsequenceDataModule(L.LightningDataModule):
         self.data = cfg.data
         self.model_cfg = cfg.model
         self.train_batch_size = cfg.train.batch_size
+        self.group_by_length = cfg.train.group_by_length
         self.eval_batch_size = cfg.eval.batch_size
         self.seed = cfg.seed
         self.tokenizer = tokenizer
@@ -208,8 +209,13 @@ class SubsequenceDataModule(L.LightningDataModule):
         # uninterrupted one. Under DDP every process takes its share; the sampler pads the last
         # share with repeats so that all processes step together, which training tolerates.
         world, rank = process_group()
-        sampler = DistributedSampler(self.dataset("train"), num_replicas=world, rank=rank,
-                                     shuffle=True, seed=self.seed)
+        train = self.dataset("train")
+        if self.group_by_length:
+            sampler = LengthGrouped([len(e.source_ids) for e in train.examples], self.train_batch_size,
+                                    num_replicas=world, rank=rank, seed=self.seed)
+        else:
+            sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                         seed=self.seed)
         return self._loader("train", self.train_batch_size, sampler)
 
     def ordered_loader(self, split: str) -> DataLoader:
@@ -248,6 +254,37 @@ def process_group() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
+
+
+class LengthGrouped(DistributedSampler):
+    """DistributedSampler's shuffled share, reordered so that each training batch holds sources of
+    similar length: less padding, so fewer token positions computed per example.
+
+    The share is cut into windows of `WINDOW_BATCHES` batches; each window is sorted by source
+    length and cut into batches, and the full batches of all windows are shuffled (a short last
+    batch stays last, where the loader cuts it). Like the plain sampler, an epoch's order is a
+    function of (seed, epoch) alone.
+    """
+
+    WINDOW_BATCHES = 64
+
+    def __init__(self, lengths: list[int], batch_size: int, *, num_replicas: int, rank: int,
+                 seed: int) -> None:
+        super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.lengths, self.batch_size = lengths, batch_size
+
+    def __iter__(self):
+        share = list(super().__iter__())
+        window = self.WINDOW_BATCHES * self.batch_size
+        batches = []
+        for start in range(0, len(share), window):
+            ordered = sorted(share[start:start + window], key=self.lengths.__getitem__)
+            batches += [ordered[i:i + self.batch_size] for i in range(0, len(ordered), self.batch_size)]
+        short = [batches.pop()] if batches and len(batches[-1]) < self.batch_size else []
+        # seeded apart from the share's own permutation (seed + epoch)
+        shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(
+            self.seed + self.epoch + 1_000_003)).tolist()
+        return iter([i for b in [batches[j] for j in shuffled] + short for i in b])
 
 
 class EvaluationShard(Sampler[int]):

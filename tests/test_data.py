@@ -1,12 +1,14 @@
 """Data sources, limits, truncation reports and the tokenizer cache."""
 import json
+import random
 import time
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DistributedSampler
 
 from datamodules import tokenizer as tok
-from datamodules.datamodule import SubsequenceDataModule, DataReport, fit_targets
+from datamodules.datamodule import DataReport, LengthGrouped, SubsequenceDataModule, fit_targets
 from datamodules.schema import DataError
 from datamodules.sources import load_split, read_jsonl
 from tasks.config import compose
@@ -263,3 +265,55 @@ def test_duplicate_ids_in_a_split_are_refused_naming_where(tmp_path, monkeypatch
     with pytest.raises(DataError, match=r"validation split: id 'k2' is used twice, at record 1 "
                                         r"\(counted from 0\) of data=kp20k and at record 2"):
         load_split("keyphrase", cfg.data, "validation")
+
+
+def batch_spreads(order: list[int], lengths: list[int], batch_size: int) -> tuple[int, float]:
+    """Padded positions of `order` cut into batches (each padded to its longest), and the mean
+    length spread (longest - shortest) within a batch."""
+    batches = [[lengths[i] for i in order[s: s + batch_size]] for s in range(0, len(order), batch_size)]
+    return (sum(max(b) * len(b) for b in batches),
+            sum(max(b) - min(b) for b in batches) / len(batches))
+
+
+def test_length_grouped_batches_see_every_example_once_with_less_padding():
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 80) for _ in range(1003)]   # 1003: a short last batch
+    grouped = LengthGrouped(lengths, 8, num_replicas=1, rank=0, seed=3)
+    grouped.set_epoch(0)
+    order = list(grouped)
+    assert sorted(order) == list(range(len(lengths)))
+    plain = DistributedSampler(lengths, num_replicas=1, rank=0, shuffle=True, seed=3)
+    plain.set_epoch(0)
+    (padded, spread), (plain_padded, plain_spread) = (batch_spreads(o, lengths, 8)
+                                                      for o in (order, list(plain)))
+    assert padded < 0.8 * plain_padded and spread < plain_spread / 4
+    # an epoch's order is a function of (seed, epoch): a resumed run sees the same batches
+    again = LengthGrouped(lengths, 8, num_replicas=1, rank=0, seed=3)
+    again.set_epoch(0)
+    assert list(again) == order
+    grouped.set_epoch(1)
+    assert list(grouped) != order and sorted(grouped) == list(range(len(lengths)))
+    # under DDP the two processes' shares together hold every example
+    shares = []
+    for rank in (0, 1):
+        share = LengthGrouped(lengths, 8, num_replicas=2, rank=rank, seed=3)
+        share.set_epoch(0)
+        shares += list(share)
+    assert set(shares) == set(range(len(lengths)))
+
+
+def test_train_group_by_length_groups_the_training_batches(tmp_path):
+    def loader_lengths(group_by_length: bool) -> tuple[type, list[int]]:
+        cfg = compose("qa", overrides=[
+            "data.train_size=300", "data.validation_size=10", "data.test_size=10",
+            f"data.tokenizer_cache={tmp_path}", "model.vocab_size=300", "train.batch_size=8",
+            f"train.group_by_length={str(group_by_length).lower()}"])
+        loader = SubsequenceDataModule(cfg).train_dataloader()
+        seen = [(int(i), int(mask.sum())) for batch in loader
+                for i, mask in zip(batch["index"], batch["attention_mask"])]
+        assert sorted(i for i, _ in seen) == list(range(300))
+        return type(loader.sampler), [length for _, length in seen]
+
+    (grouped_sampler, grouped), (_, plain) = loader_lengths(True), loader_lengths(False)
+    assert grouped_sampler is LengthGrouped
+    assert batch_spreads(list(range(300)), grouped, 8)[1] < batch_spreads(list(range(300)), plain, 8)[1] / 4
