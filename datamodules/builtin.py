@@ -16,7 +16,10 @@ What is generated, and the rule that decides the targets:
 - qa: a context of 4-8 short sentences "<person> <relation> <value> ." (visited a city, bought
   an object, speaks a language, plays an instrument, met a person) and a question about one
   person and one relation. answers = the values of the matching sentences, in order; the other
-  sentences are distractors about the same person or the same relation.
+  sentences are distractors about the same person or the same relation. Only answer sentences
+  ever carry two values, a cue a model can use without binding values to the asked person
+  (results/README.md#built-in-qa measures how much). `qa_question` and `qa_facts` read a
+  record's question and sentences back.
 - summarization: a local news story of 6-9 sentences about one city. 2-4 of them are key facts,
   recognisable by their opening ("officials in ... announced", "police in ... reported", ...);
   the rest is filler with no reporting verb. summary = one compressed sentence per key fact, in
@@ -316,6 +319,46 @@ def _qa_record(rng: random.Random) -> dict:
     in_order = [v for r, p, vs in plan if r is relation and p == person for v in vs]
     return {"question": relation.question.format(person=person), "context": context,
             "answers": in_order}
+
+
+@dataclass(frozen=True)
+class QAFact:
+    """One sentence of a built-in QA context, read back: its person, its relation (the index of
+    the relation in the corpus, the question's when they are the same) and its values, in order."""
+
+    person: str
+    relation: int
+    values: tuple[str, ...]
+
+
+def _verb(relation: _Relation) -> str:
+    return relation.sentences[0].split()[1]    # "{person} visited {x} .": the verb follows the person
+
+
+def qa_question(question: str) -> tuple[str, int]:
+    """The person and the relation (its index) a built-in QA question asks about."""
+    words = question.split()
+    for index, relation in enumerate(_RELATIONS):
+        template = relation.question.split()
+        if len(template) == len(words) and all(t == w for t, w in zip(template, words)
+                                               if t != "{person}"):
+            return words[template.index("{person}")], index
+    raise ValueError(f"not a built-in QA question: {question!r}")
+
+
+def qa_facts(context: str) -> list[QAFact]:
+    """The sentences of a built-in QA context, in order, each read back as a `QAFact`."""
+    verbs = {_verb(relation): index for index, relation in enumerate(_RELATIONS)}
+    facts = []
+    for sentence in context.removesuffix(" .").split(" . "):
+        words = sentence.split()
+        at = next(i for i, word in enumerate(words) if word in verbs)
+        relation = verbs[words[at]]
+        rest = f" {' '.join(words[at + 1:])} "
+        found = sorted((rest.index(f" {value} "), value) for value in _RELATIONS[relation].values
+                       if f" {value} " in rest)
+        facts.append(QAFact(words[at - 1], relation, tuple(value for _, value in found)))
+    return facts
 
 
 # --------------------------------------------------------------------------------------------
