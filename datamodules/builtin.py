@@ -335,6 +335,9 @@ def _verb(relation: _Relation) -> str:
     return relation.sentences[0].split()[1]    # "{person} visited {x} .": the verb follows the person
 
 
+_RELATION_OF_VERB = {_verb(relation): index for index, relation in enumerate(_RELATIONS)}
+
+
 def qa_question(question: str) -> tuple[str, int]:
     """The person and the relation (its index) a built-in QA question asks about."""
     words = question.split()
@@ -348,12 +351,11 @@ def qa_question(question: str) -> tuple[str, int]:
 
 def qa_facts(context: str) -> list[QAFact]:
     """The sentences of a built-in QA context, in order, each read back as a `QAFact`."""
-    verbs = {_verb(relation): index for index, relation in enumerate(_RELATIONS)}
     facts = []
     for sentence in context.removesuffix(" .").split(" . "):
         words = sentence.split()
-        at = next(i for i, word in enumerate(words) if word in verbs)
-        relation = verbs[words[at]]
+        at = next(i for i, word in enumerate(words) if word in _RELATION_OF_VERB)
+        relation = _RELATION_OF_VERB[words[at]]
         rest = f" {' '.join(words[at + 1:])} "
         found = sorted((rest.index(f" {value} "), value) for value in _RELATIONS[relation].values
                        if f" {value} " in rest)
