@@ -284,6 +284,8 @@ VALUE_RANGES: dict[str, Range] = {
     "train.lr": Range(gt=0, integer=False),
     "train.weight_decay": Range(ge=0, integer=False),
     "train.warmup_steps": Range(ge=0, note="0: no warm-up"),
+    "task.lr_decay": Range(ge=0, le=1, integer=False),  # the default of train.lr_decay
+    "train.lr_decay": Range(ge=0, le=1, integer=False, note="0: a constant rate after warm-up"),
     "train.position_bias_lr_scale": Range(gt=0, integer=False),
     "eval.batch_size": Range(ge=1),
     "eval.speed_batch_size": Range(ge=1),

@@ -19,7 +19,6 @@ from lightning.pytorch.utilities import move_data_to_device
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
 
 from datamodules.datamodule import process_group
 from datamodules.schema import schema_for, target_texts
@@ -93,6 +92,23 @@ class DecodeTelemetry:
         return whole
 
 
+def warmup_then_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                      decay: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate rises linearly from 0 over `warmup_steps`, stays at its peak, then falls
+    linearly to 0 over the last `decay` share of the steps after warm-up (`train.lr_decay`: 1.0 is
+    transformers' `get_linear_schedule_with_warmup`, step for step; 0 keeps the peak to the end)."""
+    decay_steps = decay * (total_steps - warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if total_steps - step > decay_steps:
+            return 1.0
+        return max(0.0, (total_steps - step) / max(1, decay_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def parameter_groups(module: torch.nn.Module, position_bias_lr: float) -> list[dict]:
     """AdamW's parameter groups: T5's relative-position bias tables at `position_bias_lr`, the rest at
     the optimizer's learning rate. Why apart: each bias is one scalar added to an attention score,
@@ -146,8 +162,8 @@ class BackboneTraining(L.LightningModule):
         optimizer = torch.optim.AdamW(parameter_groups(self, train.lr * train.position_bias_lr_scale),
                                       lr=train.lr, weight_decay=train.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        schedule = get_linear_schedule_with_warmup(optimizer, min(train.warmup_steps, total // 2),
-                                                   total)
+        schedule = warmup_then_decay(optimizer, min(train.warmup_steps, total // 2), total,
+                                     train.lr_decay)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # -- checkpoints carry what is needed to rebuild the model ---------------------------------

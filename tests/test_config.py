@@ -78,15 +78,28 @@ def test_each_task_sets_its_budget_and_any_override_wins():
     """trainer.max_epochs and, on the built-in corpus, data.train_size come from the task's file."""
     budgets = {task: (compose(task).trainer.max_epochs, compose(task).data.train_size)
                for task in ("keyphrase", "qa", "summarization")}
-    assert budgets == {"keyphrase": (10, 2000), "qa": (2, 20000), "summarization": (10, 2000)}
+    assert budgets == {"keyphrase": (10, 2000), "qa": (3, 30000), "summarization": (10, 2000)}
     cfg = compose("qa", overrides=["trainer.max_epochs=3", "data.train_size=100"])
     assert (cfg.trainer.max_epochs, cfg.data.train_size) == (3, 100)
     assert compose("qa", overrides=["task.max_epochs=4"]).trainer.max_epochs == 4
     # other data: the task's epochs stand, the built-in corpus's size does not apply
     cfg = compose("qa", overrides=["data=jsonl", "data.path=somewhere"])
-    assert cfg.trainer.max_epochs == 2 and "train_size" not in cfg.data
+    assert cfg.trainer.max_epochs == 3 and "train_size" not in cfg.data
     with pytest.raises(ConfigError, match="task.builtin_train_size must be an integer >= 1, got 0"):
         compose("qa", overrides=["task.builtin_train_size=0"])
+
+
+def test_each_task_sets_how_its_training_uses_the_budget():
+    """train.lr_decay and train.group_by_length come from the task's file; an override wins."""
+    for task, expected in (("keyphrase", (1.0, False)), ("qa", (0.0, True)),
+                           ("summarization", (1.0, False))):
+        train = compose(task).train
+        assert (train.lr_decay, train.group_by_length) == expected
+    assert compose("qa", overrides=["task.lr_decay=0.5"]).train.lr_decay == 0.5
+    assert compose("qa", overrides=["train.group_by_length=false"]).train.group_by_length is False
+    with pytest.raises(ConfigError, match=r"train.lr_decay must be a finite number >= 0 and <= 1 "
+                                          r"\(0: a constant rate after warm-up\), got 1.5"):
+        compose("qa", overrides=["train.lr_decay=1.5"])
 
 
 def test_interpolated_default_takes_a_value_of_its_resolved_type():

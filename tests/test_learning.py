@@ -15,11 +15,11 @@ from decoders.transformers_internals import bias_owner, relative_position_bucket
 from tasks import fit
 from tasks.config import compose
 from tasks.models import build_backbone
-from tasks.module import parameter_groups
+from tasks.module import parameter_groups, warmup_then_decay
 from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
 
-# a small budget: 6000 training examples seen twice (the default QA budget is 20000, twice)
+# a small budget: 6000 training examples seen twice (the default QA budget is 30000, three times)
 SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validation_size=50",
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
@@ -54,6 +54,32 @@ class _Vocabulary:
 
     def __len__(self):
         return 50
+
+
+def learning_rates(make_schedule, steps: int) -> list[float]:
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=1e-3)
+    schedule = make_schedule(optimizer)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_the_learning_rate_warms_up_then_decays_over_its_share_of_the_steps():
+    """`train.lr_decay`: 1.0 is transformers' linear schedule step for step (what every fit used
+    before the option existed); 0 keeps the peak to the end; 0.5 decays over the last half of the
+    steps after warm-up."""
+    from transformers import get_linear_schedule_with_warmup
+    for warmup, total in ((100, 1250), (0, 7), (3, 10)):
+        assert learning_rates(lambda o: warmup_then_decay(o, warmup, total, 1.0), total) == \
+            learning_rates(lambda o: get_linear_schedule_with_warmup(o, warmup, total), total)
+    assert learning_rates(lambda o: warmup_then_decay(o, 2, 10, 0.0), 10) == \
+        pytest.approx([0.0, 5e-4] + [1e-3] * 8)
+    assert learning_rates(lambda o: warmup_then_decay(o, 2, 10, 0.5), 10) == \
+        pytest.approx([0.0, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
 
 
 def test_position_heads_start_attending_to_their_offsets():
