@@ -3,7 +3,8 @@
 A model that has not learned the task writes one name dozens of times until the length bound stops
 it (what 3e-3 and dropout 0.1, t5-tiny's former defaults, gave on 4000 examples seen twice: 64 of
 100 outputs at the bound, one answer up to 48 times in an output; the defaults give none at the
-bound and at most 4 repeats on this budget). No particular output is checked.
+bound and at most 7 repeats on this budget, at each CPU kernel level). No particular output is
+checked.
 """
 import collections
 
@@ -19,8 +20,8 @@ from tasks.module import parameter_groups, warmup_then_decay
 from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
 
-# a small budget: 6000 training examples seen twice (the default QA budget is 30000, three times)
-SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validation_size=50",
+# a small budget: 6000 training examples seen three times (the default QA budget is 30000, three times)
+SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=3", "data.validation_size=50",
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
 SAME_ANSWER_AT_MOST = 10    # times one answer may appear in one output (a target has 2 to 5 answers)
