@@ -47,7 +47,8 @@ def plan_digest(record: dict) -> str:
 
 
 def plan_differences(stored: dict, record: dict) -> list[str]:
-    """How the plan `record` differs from the `stored` one: its rows, then each row's keys."""
+    """How the plan `record` differs from the `stored` one: its rows, then each row's keys, each
+    group's name first."""
     before, now = [row["label"] for row in stored["rows"]], [row["label"] for row in record["rows"]]
     if before != now:
         return [f"rows: {', '.join(before)} in the comparison, {', '.join(now)} now"]
@@ -59,7 +60,10 @@ def plan_differences(stored: dict, record: dict) -> list[str]:
         if old["from_sequential"] != new["from_sequential"]:
             differences.append(f"row {place} ({new['label']}) starts from the sequential row: "
                                f"{old['from_sequential']} in the comparison, {new['from_sequential']} now")
-        keys = sorted(set(old["config"]) | set(new["config"]))
+        # a group's name first (task.name, model.name, ...): a different task or model explains the
+        # differences of the defaults that come with it, and the message keeps only the first few
+        keys = sorted(set(old["config"]) | set(new["config"]),
+                      key=lambda key: (not key.endswith(".name"), key))
         differences += [f"row {place} ({new['label']}) {key}: {old['config'].get(key)!r} in the "
                         f"comparison, {new['config'].get(key)!r} now"
                         for key in keys if old["config"].get(key) != new["config"].get(key)]
