@@ -20,7 +20,7 @@ from tasks.module import parameter_groups, warmup_then_decay
 from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
 
-# a small budget: 6000 training examples seen three times (the default QA budget is 30000, three times)
+# a small budget: 6000 training examples seen three times (QA's default: 30000, three times)
 SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=3", "data.validation_size=50",
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
@@ -70,9 +70,9 @@ def learning_rates(make_schedule, steps: int) -> list[float]:
 
 
 def test_the_learning_rate_warms_up_then_decays_over_its_share_of_the_steps():
-    """`train.lr_decay`: 1.0 is transformers' linear schedule step for step (what every fit used
-    before the option existed); 0 keeps the peak to the end; 0.5 decays over the last half of the
-    steps after warm-up."""
+    """`train.lr_decay`: 1.0 (keyphrase's and summarization's default) is transformers' linear
+    schedule step for step; 0 keeps the peak to the end; 0.5 decays over the last half of the steps
+    after warm-up."""
     from transformers import get_linear_schedule_with_warmup
     for warmup, total in ((100, 1250), (0, 7), (3, 10)):
         assert learning_rates(lambda o: warmup_then_decay(o, warmup, total, 1.0), total) == \
