@@ -153,6 +153,8 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
     decoder = model.decoder
     cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
                   else cross_attention_mask(encoder_mask, encoder_states.dtype))
+    if implementation == "sdpa" and self_bias.is_cuda:
+        self_bias = sdpa_aligned(self_bias)
     embedded = decoder.embed_tokens(input_ids)
     if position_embeddings is not None:
         embedded = embedded + position_embeddings
@@ -185,6 +187,21 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
         dense = feed_forward.DenseReluDense
         hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
     return dropout(decoder.final_layer_norm(hidden))
+
+
+def sdpa_aligned(bias: torch.Tensor) -> torch.Tensor:
+    """`bias` itself where SDPA's memory-efficient CUDA kernel can read it, else an aligned copy.
+
+    That kernel reads a bias whose columns are adjacent in 16-byte vectors, row after row. It
+    checks the row stride but not where the data starts (PyTorch issue 183484), so a slice of a bias
+    table at an odd column, as a drafting loop's one-count bias is, fails with "misaligned
+    address". One copy per call, which every layer shares. A bias with spaced columns (sequential's
+    flipped table) is left as it is: SDPA does not hand it to that kernel as it is."""
+    vector = 16 // bias.element_size()
+    if bias.stride(-1) != 1 or (bias.data_ptr() % 16 == 0
+                                and (bias.size(-2) == 1 or bias.stride(-2) % vector == 0)):
+        return bias
+    return bias.clone(memory_format=torch.contiguous_format)
 
 
 def _unchanged(hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from decoders import available, build_decoder
 from decoders.backbone import (encode, hidden_mask, new_cache, relative_position_bias,
-                               run_decoder)
+                               run_decoder, sdpa_aligned)
 from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
@@ -100,3 +100,21 @@ def test_other_implementations_fail_clearly():
     input_ids, attention_mask = random_batch(1, seed=3)
     with pytest.raises(ValueError, match="attn_implementation in \\('eager', 'sdpa'\\).*'flash_attention_2'"):
         run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_sliced_at_any_column_is_handed_to_sdpa_aligned(dtype):
+    """A drafting loop slices its one-count bias out of a wider table at a column that moves with
+    the count; SDPA's memory-efficient CUDA kernel needs the slice's data 16-byte aligned and its
+    rows a whole number of 16-byte vectors apart. Whatever the column, what the kernel gets is
+    aligned and holds the slice's values; an aligned bias is passed on without a copy."""
+    table = torch.randn(1, 4, 3, 23).to(dtype)                    # (1, heads, Q, columns)
+    for start in range(12):
+        piece = table[..., start: start + 9]
+        aligned = sdpa_aligned(piece)
+        assert aligned.data_ptr() % 16 == 0 and torch.equal(aligned, piece)
+        assert aligned is piece or aligned.is_contiguous()
+    fresh = torch.randn(1, 4, 3, 16).to(dtype)
+    assert sdpa_aligned(fresh) is fresh
+    one_query = torch.randn(1, 4, 1, 40).to(dtype)[..., 8:]        # 8 columns in: 16 or 32 bytes
+    assert sdpa_aligned(one_query) is one_query

@@ -126,6 +126,31 @@ def test_every_decoder_decodes_on_the_gpu_as_on_the_cpu(name):
     assert (on_gpu.decoder_calls, on_gpu.hit_max_steps) == (on_cpu.decoder_calls, on_cpu.hit_max_steps)
 
 
+@pytest.mark.parametrize("name", available())
+def test_every_decoder_hands_sdpa_aligned_biases_in_float32(name, monkeypatch):
+    """In float32 (float64 never reaches it) SDPA may run its memory-efficient kernel, which fails
+    with "misaligned address" on a bias whose data is not 16-byte aligned (`backbone.sdpa_aligned`).
+    Every bias with adjacent columns that a decode hands SDPA on the GPU is aligned, and the
+    decode completes."""
+    model = tiny_t5(0).float()
+    model.set_attn_implementation("sdpa")
+    input_ids, attention_mask = varied_batch(tiny_t5(0))
+    decoder = decoder_on(name, model).float().to(CUDA)
+    model = model.to(CUDA)
+    handed, attend = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **options):
+        handed.append(attn_mask)
+        return attend(query, key, value, attn_mask=attn_mask, **options)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        out = decoder.generate(model, input_ids.to(CUDA), attention_mask.to(CUDA))
+    torch.cuda.synchronize()
+    biases = [bias for bias in handed if bias is not None and bias.stride(-1) == 1]
+    assert biases and all(bias.data_ptr() % 16 == 0 for bias in biases)
+    assert len(out.subsequences) == input_ids.size(0)
+
+
 def test_sequential_equals_generate():
     model = tiny_t5(1)
     input_ids, attention_mask = varied_batch(model)

@@ -12,18 +12,22 @@
 #                                                  # decoders; lookup and aggressive decode the sequential
 #                                                  # model, aggressive drafting with the nar one) and
 #                                                  # tasks.bench.peers (transformers' fast paths)
+#   tasks/bench/run_gpu_benchmarks.sh decode TASK  # the first half of bench: gpu_benchmark alone
+#   tasks/bench/run_gpu_benchmarks.sh peers TASK   # the second half: peers alone
 #   tasks/bench/run_gpu_benchmarks.sh builtin TASK...  # fit every TASK at once (the fits share the
 #                                                  # device), then bench each alone
 #
-# Checkpoints and MLflow runs go under $RUNS (default mlruns/gpu), one store per fit; the timings
+# Checkpoints and MLflow runs go under $RUNS (default mlruns/gpu), one store per fit, beside its log
+# (fit.log) and its wall-clock seconds (fit_seconds); the timings
 # run one at a time, with nothing else on the device, on the first $EXAMPLES test examples
 # (default 64; batch size 1 on the first $SINGLE of them, default 16), the median of 3 interleaved
-# passes. $FIT_OVERRIDES (key=value ...) is added to
+# passes, in each precision of $PRECISIONS (default "fp32 bf16"). $FIT_OVERRIDES (key=value ...) is added to
 # every fit (a quick check of the script: a smaller model and budget).
 set -euo pipefail
 RUNS=${RUNS:-mlruns/gpu}
 EXAMPLES=${EXAMPLES:-64}
 SINGLE=${SINGLE:-16}
+PRECISIONS=${PRECISIONS:-fp32 bf16}
 # t5-small's shape (Raffel et al.), from random weights, with the library's locally trained tokenizer
 SMALL="model.d_model=512 model.d_ff=2048 model.d_kv=64 model.num_heads=8 model.num_layers=6
        model.num_decoder_layers=6 model.lr=${LR:-5e-4}"
@@ -33,9 +37,11 @@ fit_one() {  # TASK DECODER [key=value ...]: one fit into its own store under $R
     local task=$1 decoder=$2; shift 2
     local home="$RUNS/$task/$decoder"
     mkdir -p "$home"
+    local started=$SECONDS
     python -m tasks.fit --task "$task" --decoder "$decoder" $SMALL $QUIET ${FIT_OVERRIDES:-} \
         tracking.uri="sqlite:///$home/mlflow.db" tracking.artifact_location="$home/artifacts" \
         data.tokenizer_cache="$home/tokenizer" "$@" > "$home/fit.log" 2>&1
+    echo $((SECONDS - started)) > "$home/fit_seconds"
 }
 
 checkpoint() {  # TASK DECODER: the tested (best) checkpoint of that fit
@@ -52,17 +58,30 @@ fit_task() {
     wait $pipelined $nar
 }
 
-bench_task() {  # every command runs, and the task fails at the end if any failed
-    local task=$1 s p b n failed=0
-    s=$(checkpoint "$task" sequential); p=$(checkpoint "$task" pipelined)
-    b=$(checkpoint "$task" blockwise); n=$(checkpoint "$task" nar)
+checkpoints() {  # TASK: the sequential, pipelined, blockwise and nar checkpoints, in that order
+    local decoder
+    for decoder in sequential pipelined blockwise nar; do checkpoint "$1" $decoder; done
+}
+
+decode_task() {  # gpu_benchmark in each precision; all run, and it fails at the end if either did
+    local task=$1 s p b n precision failed=0
+    read -r s p b n <<< "$(checkpoints "$task" | tr '\n' ' ')"
     mkdir -p results/gpu
-    for precision in fp32 bf16; do
+    for precision in $PRECISIONS; do
         python -m tasks.bench.gpu_benchmark --ckpt sequential="$s" --ckpt pipelined="$p" \
             --ckpt blockwise="$b" --ckpt nar="$n" --ckpt lookup="$s" --ckpt aggressive="$s" \
             --drafter "$n" --batch-sizes 1,64 --precision $precision --repeats 3 \
             --examples "$EXAMPLES" --single-examples "$SINGLE" \
             --out "results/gpu/builtin_${task}_$precision.json" || failed=1
+    done
+    return $failed
+}
+
+peers_task() {  # tasks.bench.peers in each precision, likewise
+    local task=$1 s p b n precision failed=0
+    read -r s p b n <<< "$(checkpoints "$task" | tr '\n' ' ')"
+    mkdir -p results/gpu
+    for precision in $PRECISIONS; do
         python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --batch-size 64 \
             --precision $precision --repeats 3 --examples "$EXAMPLES" --single-examples "$SINGLE" \
             --out "results/gpu/peers_${task}_$precision.json" || failed=1
@@ -72,12 +91,14 @@ bench_task() {  # every command runs, and the task fails at the end if any faile
 
 case "${1:-}" in
     fit) fit_task "$2" ;;
-    bench) bench_task "$2" ;;
+    decode) decode_task "$2" ;;
+    peers) peers_task "$2" ;;
+    bench) decode_task "$2" && peers_task "$2" ;;
     builtin)
         shift
         pids=()
         for task in "$@"; do fit_task "$task" & pids+=($!); done
         wait "${pids[@]}"
-        for task in "$@"; do bench_task "$task"; done ;;
-    *) sed -n '2,20p' "$0"; exit 2 ;;
+        for task in "$@"; do decode_task "$task" && peers_task "$task"; done ;;
+    *) sed -n '2,24p' "$0"; exit 2 ;;
 esac
