@@ -33,29 +33,54 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
-from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
+from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
 from decoders.transformers_internals import shift_right
 
 
-class ProposalHead(nn.Module):
-    """h + W2 relu(W1 h): one residual feed-forward layer on the decoder's final hidden state."""
+class ProposalHeads(nn.Module):
+    """The k-1 proposal heads, head i being h + W2_i relu(W1_i h): one residual feed-forward layer
+    on the decoder's final hidden state. Their weights are kept stacked, W1 as ((k-1) d_ff, d_model)
+    and W2 as (k-1, d_ff, d_model), so that decoding runs every head at once (one matmul and one
+    batched matmul) on the weights themselves: stacking copies per decode would cost a decode
+    2 (k-1) d_model d_ff numbers of memory and their copying (25 MB at t5-small's size)."""
 
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, count: int, d_model: int, d_ff: int):
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w2 = nn.Linear(d_ff, d_model, bias=False)
-        # Zero W2: the head starts as an exact copy of the base head's input, so training begins
-        # from the base head's predictions instead of noise. W1 still gets gradients after the
-        # first step (through W2), as in a residual adapter.
-        nn.init.zeros_(self.w2.weight)
+        # Each head's two layers are drawn as nn.Linear draws them, head after head, so that a
+        # seed gives the heads it gave when they were separate layers. Zero W2: every head starts
+        # as an exact copy of the base head's input, so training begins from the base head's
+        # predictions instead of noise. W1 still gets gradients after the first step (through
+        # W2), as in a residual adapter.
+        drawn = [(nn.Linear(d_model, d_ff, bias=False).weight, nn.Linear(d_ff, d_model, bias=False))
+                 for _ in range(count)]
+        self.d_ff = d_ff
+        self.w1 = nn.Parameter(torch.cat([w1.detach() for w1, _ in drawn]))      # ((k-1) d_ff, d_model)
+        self.w2 = nn.Parameter(torch.zeros(count, d_ff, d_model))                # (k-1, d_ff, d_model)
+        self.register_load_state_dict_pre_hook(_stack_separate_heads)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.w2(torch.relu(self.w1(hidden)))
+    def __len__(self) -> int:
+        return self.w2.size(0)
+
+    def head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head i (0-based) on (..., d_model) states."""
+        inner = torch.relu(F.linear(hidden, self.w1[i * self.d_ff: (i + 1) * self.d_ff]))
+        return hidden + inner @ self.w2[i]
+
+
+def _stack_separate_heads(module, state_dict, prefix, *args) -> None:
+    """Reads a checkpoint that stored one pair of layers per head (`heads.{i}.w1.weight`,
+    `heads.{i}.w2.weight`) as the stacked weights."""
+    separate = [f"{prefix}{i}.w1.weight" for i in range(len(module))]
+    if f"{prefix}w1" in state_dict or not all(key in state_dict for key in separate):
+        return
+    state_dict[f"{prefix}w1"] = torch.cat([state_dict.pop(key) for key in separate])
+    state_dict[f"{prefix}w2"] = torch.stack([state_dict.pop(f"{prefix}{i}.w2.weight").T
+                                             for i in range(len(module))])
 
 
 @register("blockwise")
-class BlockwiseDecoder(DraftAndVerifyDecoder[tuple[torch.Tensor, torch.Tensor]]):
+class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
     layout_family = "flat-causal"  # the base head trains on the sequential layout
     # Stern et al. add the heads to a trained model; with the backbone frozen the output is its own.
     builds_on_sequential = True
@@ -75,24 +100,16 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[tuple[torch.Tensor, torch.Tensor]])
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
-        # heads[i] predicts token t + 2 + i from the decoder state at t
-        self.heads = nn.ModuleList(ProposalHead(backbone_config.d_model, backbone_config.d_ff)
-                                   for _ in range(self.block_size - 1))
+        # head i (0-based) predicts token t + 2 + i from the decoder state at t
+        self.heads = ProposalHeads(self.block_size - 1, backbone_config.d_model, backbone_config.d_ff)
 
     # ---- heads -------------------------------------------------------------------------------
-    def stacked_head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every head's W1 side by side, (d_model, (k-1) d_ff), and its W2 stacked, (k-1, d_ff, d_model):
-        the heads as one matmul and one batched matmul."""
-        return (torch.cat([head.w1.weight for head in self.heads]).T,
-                torch.stack([head.w2.weight.T for head in self.heads]))
-
-    def proposal_logits(self, model, hidden: torch.Tensor,
-                        stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def proposal_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """(live, d_model) decoder states -> (live, k-1, vocab) logits of tokens t+2..t+k: every
-        `ProposalHead` at once, from `stacked_head_weights` (made here if not given)."""
-        w1, w2 = stacked if stacked is not None else self.stacked_head_weights()
-        inner = torch.relu_(hidden @ w1).view(len(hidden), len(self.heads), -1)   # (live, k-1, d_ff)
-        states = torch.bmm(inner.transpose(0, 1), w2) + hidden                   # (k-1, live, d_model)
+        head at once, on the stacked weights (`ProposalHeads`)."""
+        heads = self.heads
+        inner = torch.relu_(hidden @ heads.w1.T).view(len(hidden), len(heads), -1)  # (live, k-1, d_ff)
+        states = torch.bmm(inner.transpose(0, 1), heads.w2) + hidden             # (k-1, live, d_model)
         return output_logits(model, states).transpose(0, 1)
 
     # ---- training ----------------------------------------------------------------------------
@@ -108,11 +125,11 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[tuple[torch.Tensor, torch.Tensor]])
                                    encoder_hidden_states=encoder_states,
                                    encoder_attention_mask=attention_mask).last_hidden_state  # (B, T, d)
             total = _cross_entropy(output_logits(model, hidden), labels)
-        for i, head in enumerate(self.heads, start=1):
+        for i in range(1, len(self.heads) + 1):
             # head i at position t predicts labels[t + i] (base head: labels[t])
             shifted = labels[:, i:]                                  # (B, T - i)
             valid = shifted != -100
-            states = head(hidden[:, : shifted.size(1)][valid])       # (N, d_model): only scored positions
+            states = self.heads.head(i - 1, hidden[:, : shifted.size(1)][valid])  # (N, d_model): only scored positions
             # With a frozen backbone the shared output projection must not learn through the heads
             # either: project with the model's weights detached.
             logits = (with_frozen_weights(model, output_logits, states) if self.freeze_backbone
@@ -125,12 +142,8 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[tuple[torch.Tensor, torch.Tensor]])
     def draft_width(self) -> int:
         return self.block_size - 1
 
-    def begin_drafts(self, model, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
-        """The heads' weights stacked once per decode, so that all k-1 heads run as one matmul each."""
-        return self.stacked_head_weights()
-
-    def draft(self, model, state: tuple[torch.Tensor, torch.Tensor], verified: Verified, host) -> Draft:
-        return Draft(self.proposal_logits(model, verified.hidden, state).argmax(-1), offered=None)
+    def draft(self, model, state: None, verified: Verified, host) -> Draft:
+        return Draft(self.proposal_logits(model, verified.hidden).argmax(-1), offered=None)
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

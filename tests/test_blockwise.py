@@ -5,6 +5,7 @@ the right states, the summed k-head loss, and checkpoint compatibility with the 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoders import available, build_decoder, decoder_class
 from decoders.backbone import output_logits, run_decoder
@@ -26,9 +27,10 @@ def blockwise(model, **options):
 def randomise_heads(decoder, seed):
     """Fresh heads are copies of the base head (W2 = 0); random W2 makes them propose garbage."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for head in decoder.heads:
-            head.w2.weight.copy_(torch.randn(head.w2.weight.shape, generator=g))
+    heads = decoder.heads
+    with torch.no_grad():   # each head's (d_model, d_ff) draw, stored as (d_ff, d_model)
+        heads.w2.copy_(torch.stack([torch.randn(heads.w2.shape[:0:-1], generator=g).T
+                                    for _ in range(len(heads))]))
     return decoder
 
 
@@ -400,8 +402,8 @@ def test_loss_is_base_plus_head_cross_entropies():
     hidden = out.decoder_hidden_states[-1]                                    # (B, T, d), final state
     assert torch.allclose(output_logits(model, hidden), out.logits, atol=1e-5)
     expected = out.loss
-    for i, head in enumerate(decoder.heads, start=1):  # head i: state at t -> labels[t + i]
-        logits = output_logits(model, head(hidden[:, :-i]))
+    for i in range(1, len(decoder.heads) + 1):  # head i: state at t -> labels[t + i]
+        logits = output_logits(model, decoder.heads.head(i - 1, hidden[:, :-i]))
         expected = expected + F.cross_entropy(logits.flatten(0, 1), labels[:, i:].flatten(),
                                               ignore_index=-100)
     loss = decoder.loss(model, input_ids, attention_mask, layout)
@@ -426,7 +428,9 @@ def test_heads_are_submodules_and_start_as_the_base_head():
     model = tiny_t5(0)
     decoder = blockwise(model, block_size=5)
     assert len(decoder.heads) == 4
-    assert sum(1 for name in decoder.state_dict() if name.startswith("heads.")) == 8  # W1, W2 each
+    d_model, d_ff = model.config.d_model, model.config.d_ff
+    assert {name: tuple(p.shape) for name, p in decoder.state_dict().items()} == {
+        "heads.w1": (4 * d_ff, d_model), "heads.w2": (4, d_ff, d_model)}    # stacked, W2 zero
     hidden = torch.randn(3, model.config.d_model)
     proposals = decoder.proposal_logits(model, hidden)                       # (3, k-1, V)
     assert proposals.shape == (3, 4, model.config.vocab_size)
@@ -435,7 +439,55 @@ def test_heads_are_submodules_and_start_as_the_base_head():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_a_decode_runs_the_heads_on_their_weights_without_copying_them():
+    """The heads' stacked weights are the parameters themselves: no operation of a decode makes a
+    tensor the size of a stacked W1 or W2 (a copy per decode costs 2 (k-1) d_model d_ff numbers)
+    other than a view of them."""
+    model = tiny_t5(0)
+    decoder = randomise_heads(blockwise(model, max_new_tokens=20), 1)
+    weights = (decoder.heads.w1, decoder.heads.w2)
+    sizes = {w.numel() for w in weights}
+    storages = {w.untyped_storage().data_ptr() for w in weights}
+    input_ids, attention_mask = random_batch(3, seed=2)
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor)
+                          and t.untyped_storage().data_ptr() not in storages]
+            return out
+    with torch.no_grad(), Sizes() as seen:
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert out.batch_decoder_calls > 1 and seen.made
+    assert not sizes & set(seen.made)
+
+
 # ---- 6. checkpoints, options, config ------------------------------------------------------------
+
+def test_a_checkpoint_with_one_pair_of_layers_per_head_loads_as_the_stacked_heads():
+    """A state dict that stores each head's layers apart (`heads.{i}.w1.weight` (d_ff, d_model),
+    `heads.{i}.w2.weight` (d_model, d_ff)) loads into the stacked weights, and the decoder
+    proposes and decodes exactly as the one it was taken from."""
+    model = tiny_t5(0)
+    trained = randomise_heads(blockwise(model, block_size=4, max_new_tokens=20), 3)
+    with torch.no_grad():
+        trained.heads.w1.copy_(torch.randn(trained.heads.w1.shape, generator=torch.Generator().manual_seed(4)))
+    d_ff, heads = model.config.d_ff, trained.heads
+    separate = {**{f"heads.{i}.w1.weight": heads.w1[i * d_ff: (i + 1) * d_ff].clone() for i in range(3)},
+                **{f"heads.{i}.w2.weight": heads.w2[i].T.clone() for i in range(3)}}
+    loaded = blockwise(model, block_size=4, max_new_tokens=20)
+    loaded.load_state_dict(separate)
+    assert torch.equal(loaded.heads.w1, heads.w1) and torch.equal(loaded.heads.w2, heads.w2)
+    input_ids, attention_mask = random_batch(4, seed=6)
+    with torch.no_grad():
+        assert loaded.generate(model, input_ids, attention_mask) == trained.generate(
+            model, input_ids, attention_mask)
+
 
 def test_sequential_can_decode_a_blockwise_checkpoint():
     seq, bw = decoder_class("sequential"), decoder_class("blockwise")
