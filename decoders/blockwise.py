@@ -40,10 +40,11 @@ from decoders.transformers_internals import shift_right
 
 class ProposalHeads(nn.Module):
     """The k-1 proposal heads, head i being h + W2_i relu(W1_i h): one residual feed-forward layer
-    on the decoder's final hidden state. Their weights are kept stacked, W1 as ((k-1) d_ff, d_model)
-    and W2 as (k-1, d_ff, d_model), so that decoding runs every head at once (one matmul and one
-    batched matmul) on the weights themselves: stacking copies per decode would cost a decode
-    2 (k-1) d_model d_ff numbers of memory and their copying (25 MB at t5-small's size)."""
+    on the decoder's final hidden state. Their weights are kept stacked, each in nn.Linear's layout:
+    W1 as ((k-1) d_ff, d_model) and W2 as (k-1, d_model, d_ff), so that decoding runs every head at
+    once (one matmul and one batched matmul) on the weights themselves: stacking copies per decode
+    would cost a decode 2 (k-1) d_model d_ff numbers of memory and their copying (25 MB at
+    t5-small's size)."""
 
     def __init__(self, count: int, d_model: int, d_ff: int):
         super().__init__()
@@ -56,7 +57,7 @@ class ProposalHeads(nn.Module):
                  for _ in range(count)]
         self.d_ff = d_ff
         self.w1 = nn.Parameter(torch.cat([w1.detach() for w1, _ in drawn]))      # ((k-1) d_ff, d_model)
-        self.w2 = nn.Parameter(torch.zeros(count, d_ff, d_model))                # (k-1, d_ff, d_model)
+        self.w2 = nn.Parameter(torch.zeros(count, d_model, d_ff))                # (k-1, d_model, d_ff)
         self.register_load_state_dict_pre_hook(_stack_separate_heads)
 
     def __len__(self) -> int:
@@ -65,7 +66,7 @@ class ProposalHeads(nn.Module):
     def head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head i (0-based) on (..., d_model) states."""
         inner = torch.relu(F.linear(hidden, self.w1[i * self.d_ff: (i + 1) * self.d_ff]))
-        return hidden + inner @ self.w2[i]
+        return hidden + F.linear(inner, self.w2[i])
 
 
 def _stack_separate_heads(module, state_dict, prefix, *args) -> None:
@@ -75,7 +76,7 @@ def _stack_separate_heads(module, state_dict, prefix, *args) -> None:
     if f"{prefix}w1" in state_dict or not all(key in state_dict for key in separate):
         return
     state_dict[f"{prefix}w1"] = torch.cat([state_dict.pop(key) for key in separate])
-    state_dict[f"{prefix}w2"] = torch.stack([state_dict.pop(f"{prefix}{i}.w2.weight").T
+    state_dict[f"{prefix}w2"] = torch.stack([state_dict.pop(f"{prefix}{i}.w2.weight")
                                              for i in range(len(module))])
 
 
@@ -109,7 +110,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
         head at once, on the stacked weights (`ProposalHeads`)."""
         heads = self.heads
         inner = torch.relu_(hidden @ heads.w1.T).view(len(hidden), len(heads), -1)  # (live, k-1, d_ff)
-        states = torch.bmm(inner.transpose(0, 1), heads.w2) + hidden             # (k-1, live, d_model)
+        states = torch.bmm(inner.transpose(0, 1), heads.w2.transpose(1, 2)) + hidden  # (k-1, live, d_model)
         return output_logits(model, states).transpose(0, 1)
 
     # ---- training ----------------------------------------------------------------------------

@@ -27,10 +27,8 @@ def blockwise(model, **options):
 def randomise_heads(decoder, seed):
     """Fresh heads are copies of the base head (W2 = 0); random W2 makes them propose garbage."""
     g = torch.Generator().manual_seed(seed)
-    heads = decoder.heads
-    with torch.no_grad():   # each head's (d_model, d_ff) draw, stored as (d_ff, d_model)
-        heads.w2.copy_(torch.stack([torch.randn(heads.w2.shape[:0:-1], generator=g).T
-                                    for _ in range(len(heads))]))
+    with torch.no_grad():
+        decoder.heads.w2.copy_(torch.randn(decoder.heads.w2.shape, generator=g))
     return decoder
 
 
@@ -430,7 +428,7 @@ def test_heads_are_submodules_and_start_as_the_base_head():
     assert len(decoder.heads) == 4
     d_model, d_ff = model.config.d_model, model.config.d_ff
     assert {name: tuple(p.shape) for name, p in decoder.state_dict().items()} == {
-        "heads.w1": (4 * d_ff, d_model), "heads.w2": (4, d_ff, d_model)}    # stacked, W2 zero
+        "heads.w1": (4 * d_ff, d_model), "heads.w2": (4, d_model, d_ff)}    # stacked, W2 zero
     hidden = torch.randn(3, model.config.d_model)
     proposals = decoder.proposal_logits(model, hidden)                       # (3, k-1, V)
     assert proposals.shape == (3, 4, model.config.vocab_size)
@@ -479,7 +477,7 @@ def test_a_checkpoint_with_one_pair_of_layers_per_head_loads_as_the_stacked_head
         trained.heads.w1.copy_(torch.randn(trained.heads.w1.shape, generator=torch.Generator().manual_seed(4)))
     d_ff, heads = model.config.d_ff, trained.heads
     separate = {**{f"heads.{i}.w1.weight": heads.w1[i * d_ff: (i + 1) * d_ff].clone() for i in range(3)},
-                **{f"heads.{i}.w2.weight": heads.w2[i].T.clone() for i in range(3)}}
+                **{f"heads.{i}.w2.weight": heads.w2[i].clone() for i in range(3)}}
     loaded = blockwise(model, block_size=4, max_new_tokens=20)
     loaded.load_state_dict(separate)
     assert torch.equal(loaded.heads.w1, heads.w1) and torch.equal(loaded.heads.w2, heads.w2)
