@@ -55,7 +55,6 @@ class ProposalHeads(nn.Module):
         # W2), as in a residual adapter.
         drawn = [(nn.Linear(d_model, d_ff, bias=False).weight, nn.Linear(d_ff, d_model, bias=False))
                  for _ in range(count)]
-        self.d_ff = d_ff
         self.w1 = nn.Parameter(torch.cat([w1.detach() for w1, _ in drawn]))      # ((k-1) d_ff, d_model)
         self.w2 = nn.Parameter(torch.zeros(count, d_model, d_ff))                # (k-1, d_model, d_ff)
         self.register_load_state_dict_pre_hook(_stack_separate_heads)
@@ -65,7 +64,8 @@ class ProposalHeads(nn.Module):
 
     def head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head i (0-based) on (..., d_model) states."""
-        inner = torch.relu(F.linear(hidden, self.w1[i * self.d_ff: (i + 1) * self.d_ff]))
+        d_ff = self.w2.size(-1)
+        inner = torch.relu(F.linear(hidden, self.w1[i * d_ff: (i + 1) * d_ff]))
         return hidden + F.linear(inner, self.w2[i])
 
 

@@ -89,16 +89,23 @@ peers_task() {  # tasks.bench.peers in each precision, likewise
     return $failed
 }
 
+bench_task() {  # both halves; both run, and it fails at the end if either did
+    local failed=0
+    decode_task "$1" || failed=1
+    peers_task "$1" || failed=1
+    return $failed
+}
+
 case "${1:-}" in
     fit) fit_task "$2" ;;
     decode) decode_task "$2" ;;
     peers) peers_task "$2" ;;
-    bench) decode_task "$2" && peers_task "$2" ;;
+    bench) bench_task "$2" ;;
     builtin)
         shift
         pids=()
         for task in "$@"; do fit_task "$task" & pids+=($!); done
         wait "${pids[@]}"
-        for task in "$@"; do decode_task "$task" && peers_task "$task"; done ;;
+        for task in "$@"; do bench_task "$task"; done ;;
     *) sed -n '2,24p' "$0"; exit 2 ;;
 esac
