@@ -86,14 +86,16 @@ def fit_targets(subsequences: list[list[int]], max_length: int, max_count: int,
     return kept
 
 
-def encode_targets(tokenizer, texts: list[str], data: DictConfig,
-                   report: DataReport) -> list[list[int]]:
-    """One example's target subsequences (`texts`) as the decoders train on them: each tokenized
-    without special tokens, then cut to `data`'s limits (`fit_targets`, counted in `report`).
-    Outputs scored beside the decoders' (tasks.baselines) are cut this way too."""
-    subsequences = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return fit_targets(subsequences, data.max_target_length, data.max_subsequences,
-                       data.max_subsequence_length, report)
+def encode_targets(tokenizer, texts: list[list[str]], data: DictConfig,
+                   report: DataReport) -> list[list[list[int]]]:
+    """Each example's target subsequences (`texts`, one list per example) as the decoders train on
+    them: each tokenized without special tokens, then cut to `data`'s limits (`fit_targets`,
+    counted in `report`). Outputs scored beside the decoders' (tasks.baselines) are cut this way
+    too. One tokenizer call for all of them: one per example would take seconds on a large split."""
+    flat = [text for example in texts for text in example]
+    ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    return [fit_targets([next(ids) for _ in example], data.max_target_length, data.max_subsequences,
+                        data.max_subsequence_length, report) for example in texts]
 
 
 def encode_sources(tokenizer, task: str, records: list[dict],
@@ -182,14 +184,12 @@ class SubsequenceDataModule(L.LightningDataModule):
         report = DataReport(examples=len(records))
         sources, report.sources_truncated = encode_sources(self.tokenizer, self.task, records,
                                                            self.data.max_source_length)
-        examples = []
-        for index, (record, source) in enumerate(zip(records, sources)):
-            report.empty_sources += not has_source(self.task, record)
-            texts = target_texts(self.task, record)
-            report.empty_targets += not texts
-            examples.append(Encoded(index, source, encode_targets(self.tokenizer, texts, self.data,
-                                                                  report)))
-        return examples, report
+        texts = [target_texts(self.task, record) for record in records]
+        report.empty_sources = sum(not has_source(self.task, record) for record in records)
+        report.empty_targets = sum(not example for example in texts)
+        targets = encode_targets(self.tokenizer, texts, self.data, report)
+        return [Encoded(index, source, target)
+                for index, (source, target) in enumerate(zip(sources, targets))], report
 
     # -- batches ----------------------------------------------------------------------------------
     def collate(self, examples: list[Encoded]) -> dict:

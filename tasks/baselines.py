@@ -114,7 +114,7 @@ def scored(cfg: DictConfig, tokenizer, outputs: list[list[str]],
     `tokenizer` and `cfg`'s data limits and back to text, then by the task's metrics. Returns the
     figures (`quality` and what was scored) and the texts scored."""
     report = DataReport(examples=len(outputs))
-    ids = [encode_targets(tokenizer, texts, cfg.data, report) for texts in outputs]
+    ids = encode_targets(tokenizer, outputs, cfg.data, report)
     predictions = subsequence_texts(tokenizer, ids)
     return {"quality": task_scores(cfg, tokenizer, predictions, records),
             "examples": len(records),

@@ -279,6 +279,8 @@ VALUE_RANGES: dict[str, Range] = {
     "task.builtin_train_size": Range(ge=1),            # the default of data.train_size (builtin)
     "task.attention_heads.count": Range(ge=1),        # the defaults of t5-tiny's model.num_heads
     "task.attention_heads.dimensions": Range(ge=1),   # and model.d_kv
+    "task.decoder_layers": Range(ge=1),               # and model.num_decoder_layers
+    "task.feed_forward_width": Range(ge=1),           # and model.d_ff
     "train.batch_size": Range(ge=1),
     "model.lr": Range(gt=0, integer=False),  # the default of train.lr
     "train.lr": Range(gt=0, integer=False),
