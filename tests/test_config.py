@@ -173,13 +173,13 @@ def test_t5_tiny_takes_the_tasks_decoder_depth_and_feed_forward_width():
     `task.feed_forward_width`); a model override still wins, and a bad value is named."""
     shapes = {task: (compose(task).model.num_decoder_layers, compose(task).model.d_ff)
               for task in ("keyphrase", "qa", "summarization")}
-    assert shapes == {"keyphrase": (2, 512), "qa": (2, 512), "summarization": (2, 512)}
+    assert shapes == {"keyphrase": (2, 512), "qa": (3, 384), "summarization": (2, 512)}
     keyphrase = compose("keyphrase", overrides=["task.decoder_layers=4",
                                                 "task.feed_forward_width=256"]).model
     assert (keyphrase.num_decoder_layers, keyphrase.d_ff) == (4, 256)
-    qa = compose("qa", overrides=["task.decoder_layers=3", "model.num_decoder_layers=5",
-                                  "model.d_ff=384"]).model
-    assert (qa.num_decoder_layers, qa.d_ff) == (5, 384)
+    qa = compose("qa", overrides=["task.decoder_layers=4", "model.num_decoder_layers=5",
+                                  "model.d_ff=256"]).model
+    assert (qa.num_decoder_layers, qa.d_ff) == (5, 256)
     with pytest.raises(ConfigError, match="task.decoder_layers must be an integer >= 1, got 0"):
         compose("qa", overrides=["task.decoder_layers=0"])
     with pytest.raises(ConfigError, match="task.feed_forward_width must be an integer >= 1, got -8"):
