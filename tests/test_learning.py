@@ -22,7 +22,7 @@ from tests.test_end_to_end import run_artifact_rows, tracking
 
 # a small budget: 6000 training examples seen twice (QA's default: 30000, three times). QA's default
 # model passes through a phase of repeated answers on its way to the rule (6000 seen three times:
-# one answer 11 times in an output), and is out of it here.
+# one answer 11 times in an output), which this budget comes before.
 SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validation_size=50",
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
