@@ -1,4 +1,5 @@
 """Config composition: groups, file, overrides, and errors that name the key/value and the choices."""
+import re
 import subprocess
 import sys
 
@@ -153,37 +154,27 @@ def test_a_stored_t5_tiny_without_position_heads_had_none():
     assert list(cfg.model.position_heads.encoder) == list(cfg.model.position_heads.decoder) == []
 
 
-def test_t5_tiny_takes_the_tasks_attention_heads():
-    """t5-tiny's head count and width per head default to the task's (`task.attention_heads`); a
-    model override still wins, and a bad value is named."""
-    shapes = {task: (compose(task).model.num_heads, compose(task).model.d_kv)
-              for task in ("keyphrase", "qa", "summarization")}
-    assert shapes == {"keyphrase": (4, 32), "qa": (8, 16), "summarization": (4, 32)}
-    keyphrase = compose("keyphrase", overrides=["task.attention_heads.count=2",
-                                                "task.attention_heads.dimensions=64"]).model
-    assert (keyphrase.num_heads, keyphrase.d_kv) == (2, 64)
-    qa = compose("qa", overrides=["model.num_heads=16", "model.d_kv=8"]).model
-    assert (qa.num_heads, qa.d_kv) == (16, 8)
-    with pytest.raises(ConfigError, match="task.attention_heads.count must be an integer >= 1, got 0"):
-        compose("keyphrase", overrides=["task.attention_heads.count=0"])
-
-
-def test_t5_tiny_takes_the_tasks_decoder_depth_and_feed_forward_width():
-    """t5-tiny's decoder layers and feed-forward width default to the task's (`task.decoder_layers`,
-    `task.feed_forward_width`); a model override still wins, and a bad value is named."""
-    shapes = {task: (compose(task).model.num_decoder_layers, compose(task).model.d_ff)
-              for task in ("keyphrase", "qa", "summarization")}
-    assert shapes == {"keyphrase": (2, 512), "qa": (3, 384), "summarization": (2, 512)}
-    keyphrase = compose("keyphrase", overrides=["task.decoder_layers=4",
-                                                "task.feed_forward_width=256"]).model
-    assert (keyphrase.num_decoder_layers, keyphrase.d_ff) == (4, 256)
-    qa = compose("qa", overrides=["task.decoder_layers=4", "model.num_decoder_layers=5",
-                                  "model.d_ff=256"]).model
-    assert (qa.num_decoder_layers, qa.d_ff) == (5, 256)
-    with pytest.raises(ConfigError, match="task.decoder_layers must be an integer >= 1, got 0"):
-        compose("qa", overrides=["task.decoder_layers=0"])
-    with pytest.raises(ConfigError, match="task.feed_forward_width must be an integer >= 1, got -8"):
-        compose("qa", overrides=["task.feed_forward_width=-8"])
+@pytest.mark.parametrize("task_options, model_fields, defaults, set_by_task, set_by_model", [
+    (("task.attention_heads.count", "task.attention_heads.dimensions"), ("num_heads", "d_kv"),
+     {"keyphrase": (4, 32), "qa": (8, 16), "summarization": (4, 32)}, (2, 64), (16, 8)),
+    (("task.decoder_layers", "task.feed_forward_width"), ("num_decoder_layers", "d_ff"),
+     {"keyphrase": (2, 512), "qa": (3, 384), "summarization": (2, 512)}, (4, 256), (5, 128)),
+])
+def test_t5_tiny_takes_its_shape_from_the_task(task_options, model_fields, defaults, set_by_task,
+                                               set_by_model):
+    """t5-tiny's heads (`task.attention_heads`), decoder depth and feed-forward width
+    (`task.decoder_layers`, `task.feed_forward_width`) default to the task's; a task option sets
+    them, a model override still wins over it, and a bad value is named."""
+    def shape(model):
+        return tuple(model[field] for field in model_fields)
+    assert {task: shape(compose(task).model) for task in defaults} == defaults
+    by_task = [f"{option}={value}" for option, value in zip(task_options, set_by_task)]
+    assert shape(compose("keyphrase", overrides=by_task).model) == set_by_task
+    by_model = [f"model.{field}={value}" for field, value in zip(model_fields, set_by_model)]
+    assert shape(compose("qa", overrides=by_task + by_model).model) == set_by_model
+    for option, bad in zip(task_options, (0, -8)):
+        with pytest.raises(ConfigError, match=f"{re.escape(option)} must be an integer >= 1, got {bad}"):
+            compose("qa", overrides=[f"{option}={bad}"])
 
 
 @pytest.mark.parametrize("override, message", [
