@@ -124,7 +124,8 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
             encoder_states = encode(model, input_ids, attention_mask)  # (B, S, d_model)
             hidden = model.decoder(input_ids=shift_right(model, labels),
                                    encoder_hidden_states=encoder_states,
-                                   encoder_attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+                                   encoder_attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state  # (B, T, d)
             total = _cross_entropy(output_logits(model, hidden), labels)
         for i in range(1, len(self.heads) + 1):
             # head i at position t predicts labels[t + i] (base head: labels[t])

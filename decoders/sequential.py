@@ -47,7 +47,10 @@ class SequentialDecoder(Decoder):
         return len(join_subsequences(subsequences, self.special.sep, self.special.eos))  # one per token
 
     def loss(self, model, input_ids, attention_mask, layout):
-        return model(input_ids=input_ids, attention_mask=attention_mask, labels=layout["labels"]).loss
+        # use_cache=False: teacher forcing computes every position's keys and values at once, so a
+        # cache would only copy them
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=layout["labels"],
+                     use_cache=False).loss
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):

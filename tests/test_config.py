@@ -177,6 +177,19 @@ def test_t5_tiny_takes_its_shape_from_the_task(task_options, model_fields, defau
             compose("qa", overrides=[f"{option}={bad}"])
 
 
+def test_t5_tiny_takes_its_attention_implementation_from_the_task():
+    """t5-tiny's `model.attn_implementation` defaults to the task's (`task.attention_implementation`:
+    eager for QA, sdpa otherwise); a model override still wins, and a bad value is named."""
+    assert {task: compose(task).model.attn_implementation
+            for task in ("keyphrase", "qa", "summarization")} == {
+        "keyphrase": "sdpa", "qa": "eager", "summarization": "sdpa"}
+    by_task = compose("keyphrase", overrides=["task.attention_implementation=eager"])
+    assert by_task.model.attn_implementation == "eager"
+    assert compose("qa", overrides=["model.attn_implementation=sdpa"]).model.attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="task.attention_implementation='flash'; allowed: eager, sdpa"):
+        compose("qa", overrides=["task.attention_implementation=flash"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.position_heads.decoder=[1]", r"model.position_heads.decoder must be offsets <= 0 "
                                          r"\(a decoder head sees only earlier output tokens\), got \[1\]"),
