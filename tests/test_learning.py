@@ -21,12 +21,15 @@ from tests.conftest import random_batch, tiny_t5
 from tests.test_end_to_end import run_artifact_rows, tracking
 
 # a small budget: 6000 training examples seen twice (QA's default: 30000, three times). QA's default
-# model passes through a phase of repeated answers on its way to the rule (6000 seen three times:
-# one answer 11 times in an output), which this budget comes before.
+# model passes through a phase of repeated answers on its way to the rule, which this budget comes
+# before at most: where it begins depends on the arithmetic (the CPU kernel level), and one output of
+# a hundred may already repeat an answer more than ten times. A model that does not learn to stop,
+# the failure this test guards against, repeats one in most of its outputs, up to the length bound.
 SMALL_QA_BUDGET = ["data.train_size=6000", "trainer.max_epochs=2", "data.validation_size=50",
                    "data.test_size=100", "trainer.enable_progress_bar=false"]
 AT_BOUND_AT_MOST = 0.1      # share of outputs that may end at the length bound
 SAME_ANSWER_AT_MOST = 10    # times one answer may appear in one output (a target has 2 to 5 answers)
+REPEATING_AT_MOST = 0.05    # share of outputs that may repeat one answer more often than that
 
 
 def test_the_position_biases_learn_at_their_own_rate():
@@ -122,6 +125,7 @@ def test_sequential_ends_builtin_qa_outputs_and_does_not_repeat_answers(tmp_path
 
     # most outputs end by themselves: the model writes its end token
     assert metrics["test/max_steps_hit"] <= AT_BOUND_AT_MOST * len(outputs)
-    # no output repeats one answer many times
-    most_repeated = max(max(collections.Counter(answers).values(), default=0) for answers in outputs)
-    assert most_repeated <= SAME_ANSWER_AT_MOST
+    # hardly any output repeats one answer many times
+    repeating = [answers for answers in outputs
+                 if max(collections.Counter(answers).values(), default=0) > SAME_ANSWER_AT_MOST]
+    assert len(repeating) <= REPEATING_AT_MOST * len(outputs), repeating
