@@ -164,10 +164,13 @@ class BackboneTraining(L.LightningModule):
     def configure_optimizers(self):
         train = self.cfg.train
         # fused: one kernel updates every parameter where the default loops over them in Python,
-        # a visible share of a small model's step on a CPU; the same update, where the kernel exists
+        # a visible share of a small model's step on a CPU; the same update, where the kernel exists.
+        # Not under mixed precision: there Lightning clips gradients only for an optimizer that
+        # leaves their unscaling to it, which a fused one does not.
+        fused = (self.device.type in FUSED_ADAMW_DEVICES
+                 and not str(self.trainer.precision).endswith("-mixed"))
         optimizer = torch.optim.AdamW(parameter_groups(self, train.lr * train.position_bias_lr_scale),
-                                      lr=train.lr, weight_decay=train.weight_decay,
-                                      fused=self.device.type in FUSED_ADAMW_DEVICES)
+                                      lr=train.lr, weight_decay=train.weight_decay, fused=fused)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = warmup_then_decay(optimizer, min(train.warmup_steps, total // 2), total,
                                      train.lr_decay)

@@ -49,14 +49,17 @@ def test_teacher_forced_losses_build_no_cache(name, monkeypatch):
     assert torch.isfinite(loss)
 
 
-def test_adamw_uses_its_fused_kernel_on_the_cpu(tmp_path):
-    """A fit's optimizer is AdamW with its fused kernel on a CPU (one kernel for every parameter)."""
+@pytest.mark.parametrize("precision, fused", [("32-true", True), ("bf16-mixed", False)])
+def test_adamw_uses_its_fused_kernel_on_the_cpu(precision, fused, tmp_path):
+    """A fit's optimizer is AdamW with its fused kernel on a CPU (one kernel for every parameter),
+    except under mixed precision, where Lightning clips gradients only for an unfused one."""
     cfg = compose("keyphrase", overrides=["data.train_size=8", "trainer.max_steps=1"])
     module = build(cfg).module
     module.trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False,
-                               enable_progress_bar=False, default_root_dir=tmp_path)
+                               enable_progress_bar=False, default_root_dir=tmp_path,
+                               precision=precision)
     optimizer = module.configure_optimizers()["optimizer"]
-    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    assert isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults["fused"]) is fused
 
 
 def test_the_position_biases_learn_at_their_own_rate():
