@@ -334,12 +334,9 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.task.name not in TASKS:
         raise ConfigError(f"unknown task {cfg.task.name!r}; allowed: {', '.join(TASKS)}")
     from decoders.backbone import STRUCTURED_ATTENTION
-    if cfg.task.get("attention_implementation", STRUCTURED_ATTENTION[0]) not in STRUCTURED_ATTENTION:
-        raise ConfigError(f"task.attention_implementation={cfg.task.attention_implementation!r}; "
-                          f"allowed: {', '.join(STRUCTURED_ATTENTION)}")
-    if cfg.model.attn_implementation not in STRUCTURED_ATTENTION:
-        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation!r}; allowed: "
-                          f"{', '.join(STRUCTURED_ATTENTION)}")
+    for key in ("task.attention_implementation", "model.attn_implementation"):  # the task's default first
+        if (value := OmegaConf.select(cfg, key)) not in STRUCTURED_ATTENTION:
+            raise ConfigError(f"{key}={value!r}; allowed: {', '.join(STRUCTURED_ATTENTION)}")
     if cfg.task.name == "qa" and cfg.task.level not in ("phrase", "sentence"):
         raise ConfigError(f"task.level={cfg.task.level!r}; allowed: phrase, sentence")
     for key, allowed in VALUE_RANGES.items():
