@@ -137,24 +137,27 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         return {"redraft": needed, "count": count, "length": lengths}
 
     def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
+        lengths = list(host["length"])
         rows = [row for row, need in enumerate(host["redraft"]) if need]
         if rows:
             with state.clock.timing():
-                self.redraft(state, verified, rows, [host["count"][row] for row in rows],
-                             [host["length"][row] for row in rows])
+                redrafted = self.redraft(state, verified, rows, [host["count"][row] for row in rows],
+                                         [lengths[row] for row in rows])
+            for row, length in zip(rows, redrafted):
+                lengths[row] = length
         m, columns = self.draft_tokens, state.tokens.size(1)
-        lengths = state.lengths[verified.example]                     # (live,)
         # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
         # verifier's own, sits at count - 1); indices past the draft are filler, never offered
         indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m)
         return Draft(state.tokens[verified.origin, indices],
-                     offered=(lengths - verified.count.view(-1)).clamp(0, m))
+                     offered=[min(max(length - count, 0), m) for length, count in zip(lengths, host["count"])])
 
     def redraft(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
-                lengths: list[int]) -> None:
+                lengths: list[int]) -> list[int]:
         """Draft again, with the verified prefix given, the live `rows`, whose counts are `given`
         and whose drafts have `lengths` tokens: at the same length where the draft disagrees, and
-        `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out."""
+        `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out.
+        Returns the rows' new draft lengths."""
         nar, nar_model = self.drafter_parts(state.tokens.device)
         columns = state.tokens.size(1)
         new_lengths = [length if prefix < length else min(columns, prefix + self.draft_tokens)
@@ -179,6 +182,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         state.lengths[redrafted] = lengths_t
         state.redrafts += len(rows)
         state.passes += passes
+        return new_lengths
 
     def drafter_counters(self, state: Drafts) -> dict[str, float]:
         return {"redrafts": state.redrafts, "drafter_passes": state.passes,

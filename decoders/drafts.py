@@ -14,22 +14,24 @@ feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's
 (Stern et al., Section 5: faster, no longer exact).
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
-`max_new_tokens`. The one host sync of a call reads back each row's accepted count and first end,
-with whatever the drafter needs on the host (`host_values`: aggressive's re-draft decision); the host
-decides from them which rows are done and drops them (`LiveRows`), and only then are the rows that go
-on drafted for the next call. A drafter that needs nothing on the host (lookup, blockwise) drafts
-every live row before the sync instead, and the sync also reads how many tokens each draft offers:
-the next call feeds only as many columns as the longest offer needs (one, the model's own token,
-when no row offers anything), so a draft that offers nothing costs no wider call. A row that goes
-on kept its whole accepted prefix plus one, so its new count is n_r + accepted + 1, computed on the
-device. The same sync reads what the loop counts of every drafter's drafts (`LOOP_COUNTERS`: offered,
-accepted, cut at a separator), which the host adds up.
+`max_new_tokens`. The one host sync of a call reads back each row's accepted count, first end and
+newest token, with whatever the drafter needs on the host (`host_values`: aggressive's re-draft
+decision; lookup needs only the newest tokens); the host decides from them which rows are done and
+drops them (`LiveRows`), and only then are the rows that go on drafted for the next call, from those
+host values. A drafter that needs nothing on the host (blockwise: its heads read the decoder's
+state) drafts every live row on the device before the sync instead. Either way the host knows how
+many tokens each draft offers (`Draft.offered`), so the next call feeds only as many columns as the
+longest offer needs (one, the model's own token, when no row offers anything): a draft that offers
+nothing costs no wider call. A row that goes on kept its whole accepted prefix plus one, so its new
+count is n_r + accepted + 1, computed on the device. The host adds up what the loop counts of every
+drafter's drafts (`LOOP_COUNTERS`: offered, accepted, cut at a separator) from the same sync.
 
 Draft length (`draft_length`): `fixed` offers the drafter's whole width m on every call; `adaptive`
 gives each row its own length (`next_draft_lengths`): as many tokens as its last draft got accepted,
 m after one accepted whole, so that a row whose drafts fail falls back to one-token calls while
 another row's drafts pass; and a call feeds no wider a draft than half its rows offer
-(`call_width`), so that one row's long draft does not widen the call for all.
+(`call_width`), so that one row's long draft does not widen the call for all (`fed_offers`). The
+schedule runs on the host, from the values the call's sync reads.
 
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position, in a buffer
 that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
@@ -42,7 +44,7 @@ drafts are accepted) the call writes one slice of slots and every row reads one 
 a table made once per decode: no per-row index, as in sequential decoding.
 
 Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
-per decode (aggressive's drafter: its encoder and its first draft's lengths).
+per decode (aggressive's drafter: its encoder and its first draft's lengths; lookup: the sources).
 """
 from __future__ import annotations
 
@@ -87,33 +89,27 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 
 
-def next_draft_lengths(lengths: torch.Tensor, offered: torch.Tensor, accepted: torch.Tensor,
-                       width: int) -> torch.Tensor:
-    """The adaptive schedule, per row (all (live,)): a row offers what its last draft achieved.
-    After a call whose draft the model accepted whole, the drafter's whole width m; after one it cut
-    short, as many tokens as it accepted (0 when none); a row that fed no draft keeps its length
-    (its probe, `probed`, may move it).
+def next_draft_lengths(lengths: list[int], offers: list[int], accepted: list[int],
+                       probes: list[bool | None], width: int) -> list[int]:
+    """The adaptive schedule, per row (host ints): a row offers what its last draft achieved.
+    After a call whose draft (`offers`: the tokens it fed) the model accepted whole, the drafter's
+    whole width m; after one it cut short, as many tokens as it accepted (0 when none). A row that
+    fed no draft but probed one (`probes`: whether its probe was the model's next token; None where
+    it did not probe) counts as a one-token draft: accepted whole (m next) or rejected at once (0).
+    Any other row keeps its length.
 
     Why this and not transformers' assisted-decoding heuristic (2 more after a whole draft, 1 fewer
     after a cut one, floor 1): in a batch a call is as wide as its widest fed draft, so every token
     a row offers in vain widens the call for all rows, and outputs of a few words (answers, phrases)
     end before a length falling by 1 reaches the floor. Here a failed draft silences its row at
     once, and finding out whether drafts pass again is free: a row that feeds no draft still has its
-    draft's first token compared with the model's next token (`Draft.probe`, `probed`), and a match
-    counts as a one-token draft accepted whole, so the row offers m again, e.g. on the next span its
-    output copies. Each row keeps its own length: one row's rejected drafts do not shorten
-    another's."""
-    tried = offered > 0
-    return torch.where(tried, torch.where(accepted >= offered, width, accepted), lengths)
-
-
-def probed(lengths: torch.Tensor, probe: torch.Tensor, next_tokens: torch.Tensor,
-           width: int) -> torch.Tensor:
-    """`lengths` (live,) moved by the probes (`Draft.probe`: the first token of a draft the call did
-    not feed; NOT_PRODUCED where there is none): a probe that is the model's next token (live,) is
-    a one-token draft accepted whole (the row offers m next), one that is not is a draft rejected at
-    once (0)."""
-    return torch.where(probe == next_tokens, width, torch.where(probe == NOT_PRODUCED, lengths, 0))
+    draft's first token compared with the model's next token (its probe, `fed_offers`), so the row
+    offers m again, e.g. on the next span its output copies. Each row keeps its own length: one
+    row's rejected drafts do not shorten another's. The schedule runs on the host, on values the
+    call's one sync reads anyway: it adds no operation to the device's queue."""
+    return [(width if taken >= offer else taken) if offer else
+            length if probe is None else width if probe else 0
+            for length, offer, taken, probe in zip(lengths, offers, accepted, probes)]
 
 
 def call_width(offers: list[int]) -> int:
@@ -121,9 +117,22 @@ def call_width(offers: list[int]) -> int:
     the longest offer that at least half the rows make. A call is as wide as this for every row, so
     a few rows' long offers would make the many rows that offer nothing compute filler columns;
     those rows' drafts are cut to this width (to no draft when most rows offer none), and the row
-    whose draft is not fed probes it instead (`capped`, `probed`). At batch size 1 it is the row's
-    own offer."""
+    whose draft is not fed probes it instead (`fed_offers`). At batch size 1 it is the row's own
+    offer."""
     return sorted(offers, reverse=True)[(len(offers) - 1) // 2]
+
+
+def fed_offers(offers: list[int], lengths: list[int] | None) -> tuple[list[int], list[bool]]:
+    """How many of its drafter's offered tokens each row feeds (host ints), and which rows probe:
+    under the fixed length all of them; under the adaptive one at most its length, in a call as
+    wide as `call_width`. A row whose drafter offered a token that it does not feed probes it: the
+    draft's first token is compared with the model's next token (`next_draft_lengths`)."""
+    if lengths is None:
+        return offers, [False] * len(offers)
+    capped = [min(offer, length) for offer, length in zip(offers, lengths)]
+    width = call_width(capped)
+    fed = [min(offer, width) for offer in capped]
+    return fed, [offer > 0 and not feeds for offer, feeds in zip(offers, fed)]
 
 
 def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
@@ -220,11 +229,9 @@ class Source:
 class Draft:
     """A drafter's guesses for the next call of its rows."""
 
-    tokens: torch.Tensor          # (live, m) draft tokens; those past a row's offer are filler
-    offered: torch.Tensor | None  # (live,) how many of them the row offers; None: all m
-    # (live,) under an adaptive length: the first draft token of a row whose length (0) kept it
-    # from offering any, to be checked against the model's next token; NOT_PRODUCED elsewhere
-    probe: torch.Tensor | None = None
+    tokens: torch.Tensor | None   # (live, m) draft tokens, those past a row's offer filler; None
+                                  # where no row offers any
+    offered: list[int] | None     # host: how many of them each row offers; None: all m
 
 
 @dataclass
@@ -240,23 +247,9 @@ class Verified:
     produced: torch.Tensor    # (batch, columns) every example's tokens so far, by output index
 
 
-def capped(lengths: torch.Tensor | None, draft: Draft) -> Draft:
-    """`draft` with each row's offer cut to its adaptive length (`lengths`; None: the fixed length,
-    nothing cut), and the probe of every row at length 0 whose drafter offered a token."""
-    if lengths is None:
-        return draft
-    silenced = lengths == 0 if draft.offered is None else (lengths == 0) & (draft.offered > 0)
-    return Draft(draft.tokens, lengths if draft.offered is None else torch.minimum(draft.offered, lengths),
-                 torch.where(silenced, draft.tokens[:, 0], NOT_PRODUCED))
-
-
-def narrowed(offers: list[int], draft: Draft, width: int) -> tuple[list[int], Draft]:
-    """`draft` (and its rows' `offers`, host ints) cut to `width` draft tokens per row
-    (`call_width`); at width 0 every row that offered a token probes its first one instead."""
-    offered = draft.offered.clamp(max=width)
-    probe = draft.probe if width else torch.where(draft.offered > 0, draft.tokens[:, 0], draft.probe)
-    return [min(offer, width) for offer in offers], Draft(draft.tokens, offered, probe)
-
+# What the loop gives a drafter that drafts after the sync, beside what it named (`host_values`):
+# each row's example (its row in the batch) and the model's newest token, the last of its output.
+LOOP_HOST_VALUES = ("example", "next_token")
 
 # What the loop counts of every drafter's drafts, summed over a decode (its `stats` keys).
 LOOP_COUNTERS = (
@@ -301,15 +294,18 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
     def host_values(self, state: DraftState, verified: Verified) -> dict[str, torch.Tensor] | None:
         """What the next `draft` needs on the host, by name: (live,) longs for every row of the call,
         read back with the call's one host sync (aggressive: which rows to draft again, and their
-        shapes). None (the default): the drafter needs nothing there, and drafts before the sync."""
+        shapes), beside what the loop reads there anyway (`LOOP_HOST_VALUES`). A dict, even an empty
+        one: the drafter drafts after the sync, from host values (lookup). None (the default): it
+        needs nothing there, and drafts on the device before the sync (blockwise)."""
         return None
 
     @abc.abstractmethod
     def draft(self, model, state: DraftState, verified: Verified,
               host: dict[str, list[int]] | None) -> Draft:
         """The next call's drafts for the rows of `verified`. `host` holds those rows' entries of
-        what `host_values` named; a drafter that needs none gets None, and is asked before the call's
-        sync, for every row of the call (those that end then included)."""
+        what `host_values` named and of `LOOP_HOST_VALUES`; a drafter whose `host_values` is None
+        gets None, and is asked before the call's sync, for every row of the call (those that end
+        then included)."""
         raise NotImplementedError
 
     def drafter_counters(self, state: DraftState) -> dict[str, float]:
@@ -332,14 +328,19 @@ class Rows:
     """The live rows of a decode, in the order of the call: device tensors and host lists."""
 
     fed: torch.Tensor             # (live, Q) each row's last token, then its draft
-    draft: Draft | None           # what `fed` holds after its first token; None at the first call
     count: torch.Tensor           # (live, 1) tokens produced: the first fed token's position
-    lengths: torch.Tensor | None  # (live,) each row's adaptive draft length; None: fixed
     examples: list[int]           # host: each row's example
     counts: list[int]             # host: the same as `count`
+    offers: list[int]             # host: the draft tokens each row feeds (0 at the first call)
+    lengths: list[int] | None     # host: each row's adaptive draft length; None: fixed
+    probes: list[bool]            # host: the rows that probe (`fed_offers`)
+    # (live,) each row's draft's first token, where some row probes (None elsewhere)
+    probe_tokens: torch.Tensor | None = None
+    # (live,) `offers` on the device, where some row offers fewer than Q - 1 (None: none does)
+    offered: torch.Tensor | None = None
     # (N,) the flat indices (row * Q + fed index) of the fed positions whose next token counts, a
-    # row's last token and its offered draft tokens, where the host knows the offers and some row
-    # offers fewer than the widest; None: every fed position counts
+    # row's last token and its offered draft tokens, where some row offers fewer than the widest;
+    # None: every fed position counts
     counted: torch.Tensor | None = None
 
 
@@ -422,10 +423,10 @@ class VerifyLoop:
                                    device=device)
         self.rows = Rows(fed=torch.full((batch_size, 1), drafter.special.start, dtype=torch.long,
                                         device=device),
-                         draft=None, count=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
-                         lengths=torch.full((batch_size,), self.width, device=device)
-                         if drafter.draft_length == ADAPTIVE else None,
-                         examples=list(range(batch_size)), counts=[0] * batch_size)
+                         count=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
+                         examples=list(range(batch_size)), counts=[0] * batch_size,
+                         offers=[0] * batch_size, probes=[False] * batch_size,
+                         lengths=[self.width] * batch_size if drafter.draft_length == ADAPTIVE else None)
         self.final_counts, self.calls, self.batch_calls = [0] * batch_size, [0] * batch_size, 0
         self.counters = dict.fromkeys(LOOP_COUNTERS, 0)
 
@@ -453,27 +454,24 @@ class VerifyLoop:
     def accept(self, hidden: torch.Tensor) -> tuple[Verified, torch.Tensor | None, torch.Tensor]:
         """On the device: each row's accepted draft tokens (live,; None when no draft token was
         fed), its tokens written to `produced`, the fed index of its first end token among them
-        (live,; Q where there is none), and its count and adaptive length moved on."""
+        (live,; Q where there is none), and its count moved on."""
         rows, drafter = self.rows, self.drafter
-        if rows.fed.size(1) == 1:   # the first call, or no row offered a draft token
+        if rows.fed.size(1) == 1:   # the first call, or no row feeds a draft token
             greedy = output_logits(self.model, hidden).argmax(-1)    # (live, 1): the token after it
             self.produced[self.origin, self.writes.slots] = greedy
             rows.count = rows.count + 1
-            if rows.draft is not None and rows.draft.probe is not None:
-                rows.lengths = probed(rows.lengths, rows.draft.probe, greedy.view(-1), self.width)
             verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
                                 self.produced)
             return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
-        draft = rows.draft
+        draft = rows.fed[:, 1:]                                      # (live, Q - 1)
         tables = self.per_queries[rows.fed.size(1)]
         offsets, no_end = tables.fed_offset, tables.no_end
         greedy, top = self.top_tokens(hidden)                        # (live, Q): the token after each
-        accepted = accepted_length(draft.tokens, greedy[:, :-1] if top is None else top[:, :-1],
-                                   draft.offered)
+        accepted = accepted_length(draft, greedy[:, :-1] if top is None else top[:, :-1], rows.offered)
         # exact: an accepted draft token is the argmax before it; relaxed: it may be another of
         # the top-k, and the row's tokens are its accepted draft, then the model's own
         tokens = greedy if drafter.top_k == 1 else torch.where(
-            offsets < accepted[:, None], torch.cat([draft.tokens, greedy[:, -1:]], dim=1), greedy)
+            offsets < accepted[:, None], torch.cat([draft, greedy[:, -1:]], dim=1), greedy)
         # every fed index's token goes to its output index; a row's count tells where its output
         # ends, and the next call overwrites what lies past it
         self.produced[self.origin, self.writes.slots] = tokens
@@ -481,10 +479,6 @@ class VerifyLoop:
         accepted_column = accepted[:, None]                          # (live, 1)
         next_token = greedy.gather(1, accepted_column)               # (live, 1)
         rows.count = rows.count + accepted_column + 1                # right for every row that goes on
-        if rows.lengths is not None:
-            offered = draft.offered if draft.offered is not None else torch.full_like(accepted, self.width)
-            rows.lengths = probed(next_draft_lengths(rows.lengths, offered, accepted, self.width),
-                                  draft.probe, greedy[:, 0], self.width)
         verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
                             self.origin, self.produced)
         return verified, accepted, first_end
@@ -511,27 +505,28 @@ class VerifyLoop:
 
     def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
         """The call's one host sync, and what the host decides from it: the tokens each row keeps,
-        which rows are done, the drafts counted. A drafter that needs nothing on the host drafts
-        every row first, and the sync also reads how far those drafts reach (on keyphrases and
-        answers, whose first token follows a separator the source lacks, lookup often offers
-        nothing: the next call then feeds one token per row). Returns the rows that are done, the
-        early draft (or None) and the host values of the drafter (or of the early draft's offers)."""
+        which rows are done, the drafts counted, the adaptive lengths moved on. A drafter that needs
+        nothing on the host drafts every row first, on the device, so that its work is queued before
+        the sync. Returns the rows that are done, that early draft (or None) and the host values of
+        a drafter that drafts after the sync (or None)."""
         rows, drafter = self.rows, self.drafter
         needs = drafter.host_values(self.state, verified)
-        early = None if needs is not None else capped(rows.lengths, drafter.draft(
-            self.model, self.state, verified, None))
-        if early is not None and early.offered is not None:
-            needs = {"offered": early.offered}
+        early = None if needs is not None else drafter.draft(self.model, self.state, verified, None)
         drafted = accepted is not None                              # draft tokens were fed
-        fed_offers = rows.draft.offered if drafted else None
-        read = [first_end, *([accepted, verified.next_token.view(-1)] if drafted else []),
-                *([] if fed_offers is None else [fed_offers]), *(needs or {}).values()]
-        first_end_host, *rest = self.live.read(torch.stack(read))
-        accepted_host = rest.pop(0) if drafted else [0] * len(first_end_host)
+        read = [first_end, verified.next_token.view(-1), *([accepted] if drafted else []),
+                *([rows.probe_tokens] if rows.probe_tokens is not None else []), *(needs or {}).values()]
+        first_end_host, next_host, *rest = self.live.read(torch.stack(read))
+        accepted_host = rest.pop(0) if drafted else [0] * len(next_host)
+        if rows.probe_tokens is not None:
+            probe_host = rest.pop(0)
+            probes = [token == next_token if probing else None
+                      for token, next_token, probing in zip(probe_host, next_host, rows.probes)]
+        else:
+            probes = [None] * len(next_host)
         if drafted:
-            next_host = rest.pop(0)
-            self.count_drafts(accepted_host, next_host, rest.pop(0) if fed_offers is not None
-                              else [self.width] * len(accepted_host))
+            self.count_drafts(accepted_host, next_host, rows.offers)
+        if rows.lengths is not None:
+            rows.lengths = next_draft_lengths(rows.lengths, rows.offers, accepted_host, probes, self.width)
         done = []
         for row, example in enumerate(rows.examples):
             kept, ended = kept_tokens(accepted_host[row], first_end_host[row], self.bound - rows.counts[row])
@@ -539,7 +534,9 @@ class VerifyLoop:
             done.append(ended or rows.counts[row] >= self.bound)
             if done[-1]:
                 self.final_counts[example], self.calls[example] = rows.counts[row], self.batch_calls
-        return done, early, dict(zip(needs or {}, rest))
+        host = None if needs is None else {"example": rows.examples, "next_token": next_host,
+                                           **dict(zip(needs, rest))}
+        return done, early, host
 
     def count_drafts(self, accepted: list[int], next_tokens: list[int], offered: list[int]) -> None:
         """Add a call's drafts to `counters` (host values, one per row of the call)."""
@@ -552,15 +549,13 @@ class VerifyLoop:
             taken < offer and token == sep for taken, offer, token in zip(accepted, offered, next_tokens))
 
     def go_on(self, done: list[bool], verified: Verified, early: Draft | None,
-              host: dict[str, list[int]]) -> bool:
+              host: dict[str, list[int]] | None) -> bool:
         """Drop the rows that are done (from the batch, the cache and every row tensor) and feed the
         rest their model's token and next draft; False when no row is left."""
         rows = self.rows
-        carried = {"count": rows.count, "lengths": rows.lengths, "next_token": verified.next_token,
+        carried = {"count": rows.count, "next_token": verified.next_token,
                    "hidden": verified.hidden if early is None else None,   # for a late draft only
-                   "draft": None if early is None else early.tokens,
-                   "offered": None if early is None else early.offered,
-                   "probe": None if early is None else early.probe}
+                   "draft": None if early is None else early.tokens}
         carried = {name: tensor for name, tensor in carried.items() if tensor is not None}
         kept_tensors = self.live.drop(done, self.cache, self.encoder_states, self.cross_mask,
                                       *carried.values())
@@ -568,32 +563,42 @@ class VerifyLoop:
             return False
         self.encoder_states, self.cross_mask, *values = kept_tensors
         kept, carried = self.live.kept, dict(zip(carried, values))
-        rows.count, rows.lengths = carried["count"], carried.get("lengths")
+        rows.count = carried["count"]
         rows.examples, rows.counts = [rows.examples[r] for r in kept], [rows.counts[r] for r in kept]
+        if rows.lengths is not None:
+            rows.lengths = [rows.lengths[r] for r in kept]
         if len(kept) < len(done):
             self.positions = self.positions[: len(kept)]
             self.origin = self.live.index[:, None]
             self.writes.rows = self.positions[:, None]
-        rows.counted = None
         if early is not None:
-            draft = Draft(carried["draft"], carried.get("offered"), carried.get("probe"))
-            if draft.offered is not None:    # no column past the longest offer
-                offers = [host["offered"][r] for r in kept]
-                fed_width = max(offers) if rows.lengths is None else call_width(offers)
-                if fed_width < max(offers):
-                    offers, draft = narrowed(offers, draft, fed_width)
-                draft.tokens = draft.tokens[:, : max(offers)]
-                rows.counted = counted_positions(offers, self.origin.device)
+            draft = Draft(carried.get("draft"),
+                          None if early.offered is None else [early.offered[r] for r in kept])
         else:   # drafted after the sync, for the rows that go on only, with the host values they need
             verified = Verified(carried["hidden"], carried["next_token"], rows.count, self.live.index,
                                 self.origin, self.produced)
-            draft = capped(rows.lengths, self.drafter.draft(
-                self.model, self.state, verified, {name: [column[r] for r in kept]
-                                                   for name, column in host.items()}))
-        rows.draft = draft
-        rows.fed = (torch.cat([carried["next_token"], draft.tokens], dim=1) if draft.tokens.size(1)
-                    else carried["next_token"])                                    # (live, 1 .. k)
+            draft = self.drafter.draft(self.model, self.state, verified,
+                                       {name: [column[r] for r in kept] for name, column in host.items()})
+        self.feed_next(carried["next_token"], draft)
         return True
+
+    def feed_next(self, next_token: torch.Tensor, draft: Draft) -> None:
+        """What the next call feeds: each row's newest token (live, 1), then as many of its draft
+        tokens as it feeds (`fed_offers`), no column past the longest; and what the host keeps of it
+        (the offers, the probes)."""
+        rows, live = self.rows, len(self.rows.counts)
+        offers = draft.offered if draft.offered is not None else [self.width] * live
+        rows.offers, rows.probes = fed_offers(offers, rows.lengths)
+        rows.probe_tokens = draft.tokens[:, 0] if any(rows.probes) else None
+        widest = max(rows.offers)
+        rows.offered = rows.counted = None
+        if widest == 0:
+            rows.fed = next_token
+            return
+        rows.fed = torch.cat([next_token, draft.tokens[:, :widest]], dim=1)       # (live, 1 + widest)
+        if min(rows.offers) < widest:
+            rows.offered = send(rows.offers, next_token.device)
+            rows.counted = counted_positions(rows.offers, next_token.device)
 
     def output(self):
         """The decode's `DecodeOutput`, from the one read-back of every example's tokens."""

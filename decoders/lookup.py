@@ -12,15 +12,19 @@ Draft. After each call, a row looks up its last `match` output tokens (the model
     included) in its own source, real tokens only. Its draft is the up to `draft_tokens` source
     tokens that follow their latest occurrence among those followed by at least one source token,
     cut at the source's last real token. No such occurrence, or fewer than `match` tokens produced:
-    no draft, and the call yields one token, as sequential decoding does. With `match` 1 (the
-    default) a table made once per decode, from each token id to its latest window, makes the
-    lookup one read per call. (IAD drafts the whole rest of the input and re-aligns after a
-    mismatch; here the draft is bounded and re-aligned at every call, as prompt lookup does.)
+    no draft, and the call yields one token, as sequential decoding does. The lookup runs on the
+    host: a table made once per decode, from each window of `match` source tokens to the tokens
+    after its latest occurrence, read with the row's newest tokens, which the loop's one sync per
+    call reads anyway. A row without a draft so costs the device nothing, and a call where no row
+    has one is a sequential decoder call. (IAD drafts the whole rest of the input and re-aligns
+    after a mismatch; here the draft is bounded and re-aligned at every call, as prompt lookup
+    does.)
 Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draft_tokens`, the
     tokens past a row's offered ones are never accepted), keep the longest prefix of the draft on
     which the model's argmax agrees, then the model's own next token: 1 .. offered + 1 tokens per
     call, and the output is exactly greedy decoding of the model. Batching, the cache and host
-    syncs: drafts.py; the lookup itself is tensor code over the whole batch, with no host sync.
+    syncs: drafts.py; the source is read to the host once per decode, and a call's drafts go to the
+    device in one copy, only when some row has one.
 """
 from __future__ import annotations
 
@@ -32,26 +36,17 @@ from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
-from decoders.loop import NOT_PRODUCED
+from decoders.loop import NOT_PRODUCED, read_back, send
 from decoders.sequential import SequentialDecoder
 
 
 @dataclass
 class SourceLookup:
-    """Every example's source laid out for the lookup, made once per decode. Window j of a row is
-    its source tokens j .. j + match - 1, its continuation the m tokens after them."""
+    """Every example's source laid out for the lookup on the host, made once per decode."""
 
-    windows: torch.Tensor        # (B, S, match) tokens of each window; NOT_PRODUCED in every window
-                                 # that is not wholly real or is followed by no real token
-    continuations: torch.Tensor  # (B, 1 + S, m) the tokens after window j at entry 1 + j (padding
-                                 # past the source); entry 0 is what a row without a hit reads
-    offered: torch.Tensor        # (B, 1 + S) how many of those are real source tokens (0..m); entry 0
-                                 # offers none
-    window_entry: torch.Tensor   # (S,) 1..S: each window's entry
-    last_offsets: torch.Tensor   # (match,) -match..-1: output indices of the last tokens, from a count
-    # With match 1: (B, V) the entry of each token id's latest usable window (0: none), so that a
-    # call reads its rows' entries in one index instead of comparing every window; None otherwise
-    token_entry: torch.Tensor | None
+    # per example: each window of `match` real source tokens that some real token follows -> the
+    # up to `draft_tokens` real tokens after its latest occurrence
+    continuations: list[dict[tuple[int, ...], list[int]]]
 
 
 @register("lookup")
@@ -78,44 +73,33 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
 
     def begin_drafts(self, model, source: Source) -> SourceLookup:
         m, n = self.draft_tokens, self.match
-        input_ids, attention_mask = source.input_ids, source.attention_mask
-        sources = input_ids.size(1)                                          # S
-        # past the source, n + m padding slots (never real): every window has m tokens after it,
-        # and one more continuation, past the source, offers none: it moves to entry 0
-        tail = (input_ids.size(0), n + m)
-        padded = torch.cat([input_ids, input_ids.new_full(tail, self.special.pad)], dim=1)  # (B, S + n + m)
-        real = torch.cat([attention_mask.bool(), attention_mask.new_zeros(tail, dtype=torch.bool)],
-                         dim=1)                                              # (B, S + n + m)
-        continuations = padded[:, n:].unfold(1, m, 1)                        # (B, S + 1, m)
-        # the leading real tokens of each continuation: what a draft from there may offer
-        offered = real[:, n:].unfold(1, m, 1).long().cummin(dim=2).values.sum(dim=2)   # (B, S + 1)
-        windows = padded[:, : sources + n - 1].unfold(1, n, 1)              # (B, S, n)
-        usable = real[:, : sources + n - 1].unfold(1, n, 1).all(dim=2) & (offered[:, :sources] > 0)
-        device = input_ids.device
-        window_entry = torch.arange(1, sources + 1, device=device)
-        token_entry = None
-        if n == 1:
-            vocabulary = model.get_input_embeddings().num_embeddings   # every source and output id
-            entries = torch.where(usable, window_entry, 0)                     # (B, S)
-            token_entry = entries.new_zeros(input_ids.size(0), vocabulary).scatter_reduce_(
-                1, input_ids, entries, "amax")                                 # (B, V)
-        # an unusable window never equals produced tokens (all >= 0)
-        windows = torch.where(usable[..., None], windows, NOT_PRODUCED)
-        return SourceLookup(windows, continuations.roll(1, dims=1), offered.roll(1, dims=1),
-                            window_entry, torch.arange(-n, 0, device=device), token_entry)
+        continuations = []
+        # the decode's one read of its sources to the host (a host sync once per decode)
+        for row, mask in zip(*read_back(source.input_ids, source.attention_mask)):
+            real = [token for token, visible in zip(row, mask) if visible]
+            # later windows overwrite earlier ones: each keeps its latest occurrence
+            continuations.append({tuple(real[start:start + n]): real[start + n: start + n + m]
+                                  for start in range(len(real) - n)})
+        return SourceLookup(continuations)
 
-    def draft(self, model, state: SourceLookup, verified: Verified, host) -> Draft:
-        example = verified.example                                          # (live,)
-        if state.token_entry is not None:   # match 1: the newest token's latest window, one read
-            latest = state.token_entry[example, verified.next_token.view(-1)]  # (live,)
-            return Draft(state.continuations[example, latest], state.offered[example, latest])
-        # each row's last `match` output tokens, the model's newest one last (a row that has
-        # produced fewer reads a negative index, and is masked below)
-        last_indices = verified.count + state.last_offsets                   # (live, match)
-        last = verified.produced[verified.origin, last_indices]              # (live, match)
-        hits = (state.windows[example] == last[:, None]).all(dim=2)          # (live, S)
-        if self.match > 1:  # a row that has produced fewer tokens has none to look up yet
-            hits &= verified.count >= self.match
-        # the latest hit's entry; none reads entry 0, which offers nothing
-        latest = (hits * state.window_entry).amax(dim=1)                     # (live,)
-        return Draft(state.continuations[example, latest], state.offered[example, latest])  # (live, m), (live,)
+    def host_values(self, state: SourceLookup, verified: Verified) -> dict[str, torch.Tensor]:
+        """The loop reads each row's newest token anyway (`LOOP_HOST_VALUES`); with `match` above 1
+        the ones before it (a row that has produced fewer reads NOT_PRODUCED there) and its count."""
+        if self.match == 1:
+            return {}
+        back = torch.arange(-self.match, -1, device=verified.count.device)   # (match - 1,)
+        indices = verified.count + back                                      # (live, match - 1)
+        earlier = torch.where(indices >= 0, verified.produced[verified.origin, indices.clamp(min=0)],
+                              NOT_PRODUCED)
+        return {f"token_{i}": earlier[:, i] for i in range(self.match - 1)}
+
+    def draft(self, model, state: SourceLookup, verified: Verified, host: dict[str, list[int]]) -> Draft:
+        earlier = [host[f"token_{i}"] for i in range(self.match - 1)]
+        drafts = [state.continuations[example].get((*(tokens[row] for tokens in earlier), token), [])
+                  for row, (example, token) in enumerate(zip(host["example"], host["next_token"]))]
+        offered = [len(tokens) for tokens in drafts]
+        if not any(offered):
+            return Draft(None, offered)
+        filler = self.special.pad   # past a row's offer: never accepted
+        rows = [tokens + [filler] * (self.draft_tokens - len(tokens)) for tokens in drafts]
+        return Draft(send(rows, verified.count.device), offered)   # (live, m)

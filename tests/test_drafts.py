@@ -13,10 +13,9 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
-                             bias_tables, call_width, capped, counted_positions, narrowed,
-                             next_draft_lengths, probed)
+                             bias_tables, call_width, counted_positions, fed_offers, next_draft_lengths)
 from decoders.sequential import SequentialDecoder
-from decoders.loop import NOT_PRODUCED, split_flat_output
+from decoders.loop import split_flat_output
 from tasks.bench import bounded, with_drafter
 from tests.conftest import (SPECIAL, assert_drafts_counted, assert_same_output, briefly_trained,
                             first_batch_where, greedy_outputs, sequential, tiny_t5)
@@ -100,23 +99,20 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     assert out.stats["draft_tokens_accepted"] >= sum(accepted_per_row(out)) > 0
 
 
-@pytest.mark.parametrize("name", ["lookup", "blockwise"])   # they draft before the sync: their calls narrow
+@pytest.mark.parametrize("name", DRAFTERS)
 def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypatch):
     model, decoder = trained(name)
     decoder.draft_length = ADAPTIVE
     cut: list[int] = []   # draft tokens cut, per call narrowed to a width of 1 or more
     fed: list[int] = []   # draft tokens fed, per call after the first
 
-    def counting_cut(offers, draft, width):
-        if width:
-            cut.append(sum(offer - min(offer, width) for offer in offers))
-        return narrowed(offers, draft, width)
-
-    def counting_fed(offers, device):
-        fed.append(sum(offers))
-        return counted_positions(offers, device)
-    monkeypatch.setattr(drafts, "narrowed", counting_cut)
-    monkeypatch.setattr(drafts, "counted_positions", counting_fed)
+    def counting(offers, lengths):
+        feeds, probes = fed_offers(offers, lengths)
+        if max(feeds):
+            cut.append(sum(min(offer, length) - feed for offer, length, feed in zip(offers, lengths, feeds)))
+        fed.append(sum(feeds))
+        return feeds, probes
+    monkeypatch.setattr(drafts, "fed_offers", counting)
 
     def narrowing(input_ids, attention_mask):
         """a call that fed draft tokens, fewer than some row offered"""
@@ -159,28 +155,27 @@ def test_a_drafter_of_one_class_decodes_greedily_and_is_counted(length):
 
 
 def test_the_adaptive_length_is_what_the_last_draft_achieved():
-    lengths, width = torch.tensor([4, 4, 1, 3, 2, 2]), 4
-    offered = torch.tensor([2, 4, 1, 0, 2, 1])
-    accepted = torch.tensor([2, 1, 0, 0, 2, 0])
-    # whole (back to m), cut after 1, cut at once (0), nothing offered (kept), whole, cut at once
-    assert next_draft_lengths(lengths, offered, accepted, width).tolist() == [4, 1, 0, 3, 4, 0]
+    lengths, width = [4, 4, 1, 3, 2, 2, 0, 0], 4
+    offered = [2, 4, 1, 0, 2, 1, 0, 0]
+    accepted = [2, 1, 0, 0, 2, 0, 0, 0]
+    probes = [None] * 6 + [True, False]   # the last two rows fed nothing and probed
+    # whole (back to m), cut after 1, cut at once (0), nothing offered (kept), whole, cut at once;
+    # a probe that was the model's next token: a one-token draft accepted whole (m), one that was
+    # not: rejected at once (0)
+    assert next_draft_lengths(lengths, offered, accepted, probes, width) == [4, 1, 0, 3, 4, 0, 4, 0]
 
 
-def test_a_probe_moves_the_length_as_a_one_token_draft_would():
-    lengths = torch.tensor([0, 0, 0, 2, 3, 4])
-    offered = torch.tensor([3, 0, 2, 4, 1, 2])      # the drafter's offers, before the lengths cut them
-    tokens = torch.tensor([[7, 8, 9], [5, 5, 5], [6, 1, 1], [4, 4, 4], [3, 3, 3], [9, 9, 9]])
-    draft = capped(lengths, Draft(tokens, offered))
-    assert draft.offered.tolist() == [0, 0, 0, 2, 1, 2]
-    # only rows at 0 whose drafter offered a token have a probe: its first draft token
-    assert draft.probe.tolist() == [7, NOT_PRODUCED, 6] + [NOT_PRODUCED] * 3
+def test_a_row_feeds_at_most_its_length_and_probes_what_it_does_not_feed():
+    offers = [3, 0, 2, 4, 1, 2]          # the drafter's offers
+    # fixed: every offered token is fed, nothing probes
+    assert fed_offers(offers, None) == (offers, [False] * 6)
+    # adaptive: cut to each row's length, in a call as wide as half its rows offer (here 2); a row
+    # at 0 whose drafter offered a token probes it
+    assert fed_offers(offers, [4, 0, 0, 2, 3, 4]) == ([2, 0, 0, 2, 1, 2], [False, False, True] + [False] * 3)
+    # ... and where half the rows offer 1
+    assert fed_offers(offers, [0, 0, 0, 2, 3, 4]) == ([0, 0, 0, 1, 1, 1], [True, False, True] + [False] * 3)
     # a call that feeds no draft (most rows offer none): every row that offered probes instead
-    offers, unfed = narrowed(draft.offered.tolist(), draft, 0)
-    assert offers == [0] * 6 and unfed.offered.tolist() == [0] * 6
-    assert unfed.probe.tolist() == [7, NOT_PRODUCED, 6, 4, 3, 9]
-    model_tokens = torch.tensor([7, 5, 2, 4, 1, 9])  # the model's tokens after the call
-    # hit: back to m (a one-token draft accepted whole); miss: 0 (rejected at once); no probe: kept
-    assert probed(lengths, unfed.probe, model_tokens, width=3).tolist() == [3, 0, 0, 3, 0, 3]
+    assert fed_offers(offers, [0, 0, 0, 2, 0, 0]) == ([0] * 6, [True, False, True, True, True, True])
 
 
 def test_a_call_is_as_wide_as_half_its_rows_offer():
@@ -188,10 +183,8 @@ def test_a_call_is_as_wide_as_half_its_rows_offer():
     assert call_width([4, 0, 0]) == 0                # one row of three offers: no draft fed
     assert call_width([4, 0]) == 4                   # half the rows
     assert call_width([4, 2, 1, 0, 0]) == 1
-    offers, draft = narrowed([4, 2, 1, 0, 0], Draft(torch.arange(20).view(5, 4), torch.tensor([4, 2, 1, 0, 0]),
-                                                    torch.full((5,), NOT_PRODUCED)), 1)
-    assert offers == [1, 1, 1, 0, 0] and draft.offered.tolist() == [1, 1, 1, 0, 0]
-    assert draft.probe.tolist() == [NOT_PRODUCED] * 5   # every offering row still feeds a token
+    # every offering row still feeds a token, none probes
+    assert fed_offers([4, 2, 1, 0, 0], [4] * 5) == ([1, 1, 1, 0, 0], [False] * 5)
 
 
 def test_rows_at_one_count_read_the_bias_every_row_gathers():

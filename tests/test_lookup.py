@@ -3,7 +3,7 @@ batches whose rows accept different numbers of draft tokens), and its decoder ca
 those the lookup rule gives, counted here in plain Python from the greedy output and the source
 (`lookup_replay`); on models built so that the source holds the answer, calls by hand; its
 counters, options, host syncs and what it decodes."""
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -181,26 +181,34 @@ def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, dra
 NOISE = [40, 41, 42]
 
 
-def test_with_match_1_one_table_read_drafts_what_comparing_every_window_drafts():
-    """Match 1 drafts from a per-decode table (token id -> its latest usable window); the general
-    path compares the newest token with every window. Both, for every token a row may produce:
-    repeated tokens (the latest counts), the last real token (followed by nothing: no draft),
-    padding and tokens the source lacks."""
+@pytest.mark.parametrize("match", [1, 2])
+def test_the_table_drafts_what_scanning_the_source_drafts(match):
+    """The per-decode table (each window of `match` source tokens -> the tokens after its latest
+    occurrence that some token follows) drafts, for every ending a row's output may have, what
+    scanning the source does (`lookup_draft`): repeated windows (the latest counts), the last real
+    tokens (followed by nothing: no draft), padding, and tokens the source lacks."""
     model, _ = rigged_model(CHAIN)
-    decoder = lookup(model, draft_tokens=3)
-    input_ids, attention_mask = padded([[10, 11, 12, 10, 13, 14, 12], [12, 12, 40, 5], [5]])
+    decoder = lookup(model, draft_tokens=3, match=match)
+    rows = [[10, 11, 12, 10, 13, 14, 12], [12, 12, 40, 5], [5]]
+    input_ids, attention_mask = padded(rows)
     state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None))
-    assert state.token_entry is not None
-    windowed = replace(state, token_entry=None)
-    rows = torch.arange(3)
-    for token in range(VOCAB):
-        produced = torch.full((3, 4), token)
-        verified = Verified(None, produced[:, :1], torch.ones(3, 1, dtype=torch.long), rows,
-                            rows[:, None], produced)
-        from_table, from_windows = (decoder.draft(model, s, verified, None) for s in (state, windowed))
-        assert from_table.offered.tolist() == from_windows.offered.tolist()
-        assert from_table.tokens.tolist() == from_windows.tokens.tolist()
-    assert lookup(model, match=2).begin_drafts(model, Source(input_ids, attention_mask, None)).token_entry is None
+    verified = Verified(None, None, torch.ones(3, 1, dtype=torch.long), None, None, None)
+    endings = [[token] for token in range(VOCAB)]
+    if match == 2:
+        endings = [[earlier, token] for earlier in (10, 12, 40, SPECIAL.pad) for token in range(VOCAB)]
+    offered = 0
+    for ending in endings:
+        host = {"example": [0, 1, 2], "next_token": [ending[-1]] * 3,
+                **({"token_0": [ending[0]] * 3} if match == 2 else {})}
+        draft = decoder.draft(model, state, verified, host)
+        expected = [lookup_draft(row, ending, 3, match) for row in rows]
+        assert draft.offered == [len(tokens) for tokens in expected], ending
+        if any(expected):
+            assert [row[:len(tokens)] for row, tokens in zip(draft.tokens.tolist(), expected)] == expected
+        else:
+            assert draft.tokens is None   # no row has a draft: nothing goes to the device
+        offered += sum(draft.offered)
+    assert offered > 0
 
 
 def run_rigged(rows: list[list[int]], chain=CHAIN, **options):
@@ -321,15 +329,16 @@ def test_a_draft_cut_at_a_separator():
 # ---- 3. host syncs ------------------------------------------------------------------------------
 
 def test_one_host_sync_per_decoder_call(blind):
-    """The loop's stop check is the only host sync per call: the lookup adds none; the encoder
-    and the final read-back (of outputs and counters together) add one each per generate."""
+    """The loop's stop check is the only host sync per call: the lookup adds none (it reads the
+    newest tokens that check reads); the encoder, the sources' read to the host and the final
+    read-back (of outputs and counters together) add one each per generate."""
     model, _, (input_ids, attention_mask) = blind
     decoder = lookup(model, draft_tokens=4, max_new_tokens=16)
     decoder.generate(model, input_ids, attention_mask)   # lazy initialisations done
     with counting_sync_points() as counter:
         out = decoder.generate(model, input_ids, attention_mask)
     assert out.stats["draft_tokens_accepted"] > 0
-    assert counter.count <= out.batch_decoder_calls + 2
+    assert counter.count <= out.batch_decoder_calls + 3
 
 
 # ---- 4. options, configuration, what it decodes ---------------------------------------------------
