@@ -328,6 +328,7 @@ class Rows:
     """The live rows of a decode, in the order of the call: device tensors and host lists."""
 
     fed: torch.Tensor             # (live, Q) each row's last token, then its draft
+    draft: torch.Tensor | None    # (live, Q - 1) the draft tokens of `fed`; None at Q = 1
     count: torch.Tensor           # (live, 1) tokens produced: the first fed token's position
     examples: list[int]           # host: each row's example
     counts: list[int]             # host: the same as `count`
@@ -422,7 +423,7 @@ class VerifyLoop:
         self.produced = torch.full((batch_size, self.most_slots - 1), NOT_PRODUCED, dtype=torch.long,
                                    device=device)
         self.rows = Rows(fed=torch.full((batch_size, 1), drafter.special.start, dtype=torch.long,
-                                        device=device),
+                                        device=device), draft=None,
                          count=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
                          examples=list(range(batch_size)), counts=[0] * batch_size,
                          offers=[0] * batch_size, probes=[False] * batch_size,
@@ -463,7 +464,7 @@ class VerifyLoop:
             verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
                                 self.produced)
             return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
-        draft = rows.fed[:, 1:]                                      # (live, Q - 1)
+        draft = rows.draft                                           # (live, Q - 1)
         tables = self.per_queries[rows.fed.size(1)]
         offsets, no_end = tables.fed_offset, tables.no_end
         greedy, top = self.top_tokens(hidden)                        # (live, Q): the token after each
@@ -593,9 +594,10 @@ class VerifyLoop:
         widest = max(rows.offers)
         rows.offered = rows.counted = None
         if widest == 0:
-            rows.fed = next_token
+            rows.fed, rows.draft = next_token, None
             return
-        rows.fed = torch.cat([next_token, draft.tokens[:, :widest]], dim=1)       # (live, 1 + widest)
+        rows.draft = draft.tokens if draft.tokens.size(1) == widest else draft.tokens[:, :widest]
+        rows.fed = torch.cat([next_token, rows.draft], dim=1)                    # (live, 1 + widest)
         if min(rows.offers) < widest:
             rows.offered = send(rows.offers, next_token.device)
             rows.counted = counted_positions(rows.offers, next_token.device)
