@@ -20,11 +20,12 @@ decision; lookup needs only the newest tokens); the host decides from them which
 drops them (`LiveRows`), and only then are the rows that go on drafted for the next call, from those
 host values. A drafter that needs nothing on the host (blockwise: its heads read the decoder's
 state) drafts every live row on the device before the sync instead. Either way the host knows how
-many tokens each draft offers (`Draft.offered`), so the next call feeds only as many columns as the
-longest offer needs (one, the model's own token, when no row offers anything): a draft that offers
-nothing costs no wider call. A row that goes on kept its whole accepted prefix plus one, so its new
-count is n_r + accepted + 1, computed on the device. The host adds up what the loop counts of every
-drafter's drafts (`LOOP_COUNTERS`: offered, accepted, cut at a separator) from the same sync.
+many tokens each draft offers (a `Draft`'s `offered`), so the next call feeds only as many columns
+as the longest offer needs (one, the model's own token, when no row offers anything): a draft that
+offers nothing costs no wider call. A row that goes on kept its whole accepted prefix plus one, so
+its new count is n_r + accepted + 1, computed on the device. The host adds up what the loop counts
+of every drafter's drafts (`LOOP_COUNTERS`: offered, accepted, cut at a separator) from the same
+sync.
 
 Draft length (`draft_length`): `fixed` offers the drafter's whole width m on every call; `adaptive`
 gives each row its own length (`next_draft_lengths`): as many tokens as its last draft got accepted,
