@@ -592,16 +592,16 @@ class VerifyLoop:
         offers = draft.offered if draft.offered is not None else [self.width] * live
         rows.offers, rows.probes = fed_offers(offers, rows.lengths)
         rows.probe_tokens = draft.tokens[:, 0] if any(rows.probes) else None
+        # where rows offer different numbers of tokens, which positions count, and the offers on the
+        # device for the acceptance
+        rows.counted = counted_positions(rows.offers, next_token.device)
+        rows.offered = None if rows.counted is None else send(rows.offers, next_token.device)
         widest = max(rows.offers)
-        rows.offered = rows.counted = None
         if widest == 0:
             rows.fed, rows.draft = next_token, None
             return
         rows.draft = draft.tokens if draft.tokens.size(1) == widest else draft.tokens[:, :widest]
         rows.fed = torch.cat([next_token, rows.draft], dim=1)                    # (live, 1 + widest)
-        if min(rows.offers) < widest:
-            rows.offered = send(rows.offers, next_token.device)
-            rows.counted = counted_positions(rows.offers, next_token.device)
 
     def output(self):
         """The decode's `DecodeOutput`, from the one read-back of every example's tokens."""

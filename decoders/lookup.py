@@ -47,6 +47,9 @@ class SourceLookup:
     # per example: each window of `match` real source tokens that some real token follows -> the
     # up to `draft_tokens` real tokens after its latest occurrence
     continuations: list[dict[tuple[int, ...], list[int]]]
+    # (match - 1,) -match..-2: output indices of the tokens before a row's newest one, from its
+    # count; None at match 1, where the newest token is all a row looks up
+    earlier_offsets: torch.Tensor | None
 
 
 @register("lookup")
@@ -80,15 +83,15 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
             # later windows overwrite earlier ones: each keeps its latest occurrence
             continuations.append({tuple(real[start:start + n]): real[start + n: start + n + m]
                                   for start in range(len(real) - n)})
-        return SourceLookup(continuations)
+        return SourceLookup(continuations,
+                            torch.arange(-n, -1, device=source.input_ids.device) if n > 1 else None)
 
     def host_values(self, state: SourceLookup, verified: Verified) -> dict[str, torch.Tensor]:
         """The loop reads each row's newest token anyway (`LOOP_HOST_VALUES`); with `match` above 1
-        the ones before it (a row that has produced fewer reads NOT_PRODUCED there) and its count."""
+        the ones before it (a row that has produced fewer reads NOT_PRODUCED there)."""
         if self.match == 1:
             return {}
-        back = torch.arange(-self.match, -1, device=verified.count.device)   # (match - 1,)
-        indices = verified.count + back                                      # (live, match - 1)
+        indices = verified.count + state.earlier_offsets                     # (live, match - 1)
         earlier = torch.where(indices >= 0, verified.produced[verified.origin, indices.clamp(min=0)],
                               NOT_PRODUCED)
         return {f"token_{i}": earlier[:, i] for i in range(self.match - 1)}
