@@ -34,15 +34,15 @@ another row's drafts pass; and a call feeds no wider a draft than half its rows 
 (`call_width`), so that one row's long draft does not widen the call for all (`fed_offers`). The
 schedule runs on the host, from the values the call's sync reads.
 
-Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position, in a buffer
-that grows by doubling. A call writes its fed tokens at their own positions; a rejected draft token's
-slot lies at or past the row's new count, where the next call writes its own fed tokens before
-attending, and every slot past a query's position is in its future, which the causal bias hides. So
-nothing is ever gathered, compacted or cropped: a call attends to slots 0 .. max_r(n_r) + m, and the
-bias (T5's relative bias of query position - slot, gathered from one table) hides what a row must
-not see. While every row is at one count (always at batch size 1, and at any batch size until
-drafts are accepted) the call writes one slice of slots and every row reads one bias, a slice of
-a table made once per decode: no per-row index, as in sequential decoding.
+Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position. A call
+writes its fed tokens at their own positions; a rejected draft token's slot lies at or past the
+row's new count, where the next call writes its own fed tokens before attending, and every slot past
+a query's position is in its future, which the causal bias hides. So nothing is ever gathered or
+compacted: a call attends to slots 0 .. max_r(n_r) + m, and the bias (T5's relative bias of query
+position - slot, gathered from one table) hides what a row must not see. While every row is at one
+count (always at batch size 1, and at any batch size until drafts are accepted) the call appends its
+tokens after that count, as sequential decoding's cache does, and every row reads one bias, a slice
+of a table made once per decode: no per-row index.
 
 Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
 per decode (aggressive's drafter: its encoder and its first draft's lengths; lookup: the sources).
@@ -150,52 +150,55 @@ def kept_tokens(accepted: int, first_end: int, room: int) -> tuple[int, bool]:
 @dataclass
 class SlotWrites:
     """Where a call writes: row `rows[r]` (live, 1) writes its fed tokens at slots `slots[r]`
-    (live, Q); every layer then attends to slots 0..width-1 of a buffer of `capacity` slots."""
+    (live, Q), or, where every row is at one count, at slots `start` onward; every layer then
+    attends to slots 0..width-1. No row's slot reaches `most`."""
 
     rows: torch.Tensor
     slots: torch.Tensor
     width: int
-    capacity: int
+    most: int
     start: int | None = None   # where every row is at one count: the first slot all rows write
 
 
 class RowSlotLayer(CacheLayer):
-    """One decoder layer's self-attention keys and values, (B, heads, capacity, head_dim): row r's
+    """One decoder layer's self-attention keys and values, (B, heads, slots, head_dim): row r's
     token at position p sits in slot p. Replaces the appending layer of transformers' own cache,
-    through the same `update` the attention calls."""
+    through the same `update` the attention calls.
+
+    While every row is at one count, a call appends its tokens after the slots before that count,
+    as transformers' appending layer does (slots past it, a rejected draft's, are cut off first):
+    the call's keys are the stored tensor itself, with no copy into a buffer and no slice of it.
+    Where rows are at different counts, each row's tokens are written at its own slots of a buffer
+    that grows by doubling, zero-filled (an unwritten slot is hidden by the bias, but NaN garbage
+    would survive it)."""
 
     def __init__(self, writes: SlotWrites):
         super().__init__()
         self.writes = writes
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # zeros, not empty: an unwritten slot is hidden by the bias, but NaN garbage would survive it
-        shape = (key_states.size(0), key_states.size(1), self.writes.capacity, key_states.size(-1))
-        self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
-        self.device, self.is_initialized = key_states.device, True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        elif self.keys.size(2) < self.writes.capacity:
-            self.keys, self.values = (_grown(t, self.writes.capacity) for t in (self.keys, self.values))
-        start = self.writes.start
-        if start is not None:   # every row writes the same slots: a slice, no index
-            self.keys[:, :, start: start + key_states.size(2)] = key_states
-            self.values[:, :, start: start + key_states.size(2)] = value_states
-        else:
-            rows, slots = self.writes.rows, self.writes.slots
-            self.keys[rows, :, slots] = key_states.transpose(1, 2)           # (live, Q, heads, head_dim)
-            self.values[rows, :, slots] = value_states.transpose(1, 2)
-        width = self.writes.width
-        return self.keys[:, :, :width], self.values[:, :, :width]
+        if not self.is_initialized:   # no slot yet
+            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            self.device, self.is_initialized = key_states.device, True
+        writes, keys, values = self.writes, self.keys, self.values
+        if writes.start is not None:
+            if keys.size(2) > writes.start:
+                keys, values = keys.narrow(2, 0, writes.start), values.narrow(2, 0, writes.start)
+            self.keys, self.values = torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+            return self.keys, self.values
+        if keys.size(2) < writes.width:
+            room = min(writes.most, 2 * writes.width)
+            self.keys, self.values = keys, values = _grown(keys, room), _grown(values, room)
+        keys[writes.rows, :, writes.slots] = key_states.transpose(1, 2)     # (live, Q, heads, head_dim)
+        values[writes.rows, :, writes.slots] = value_states.transpose(1, 2)
+        return keys.narrow(2, 0, writes.width), values.narrow(2, 0, writes.width)
 
     def get_seq_length(self) -> int:
         return self.keys.size(2) if self.is_initialized else 0
 
 
-def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-    grown = buffer.new_zeros(buffer.shape[:2] + (capacity,) + buffer.shape[3:])
+def _grown(buffer: torch.Tensor, slots: int) -> torch.Tensor:
+    grown = buffer.new_zeros(buffer.shape[:2] + (slots,) + buffer.shape[3:])
     grown[:, :, : buffer.size(2)] = buffer
     return grown
 
@@ -417,7 +420,7 @@ class VerifyLoop:
         self.live = LiveRows(batch_size, device)
         self.positions = self.live.index                             # (live,): 0..live-1
         self.origin = self.live.index[:, None]                       # (live, 1): each row's example
-        self.writes = SlotWrites(self.origin, self.origin, width=1, capacity=min(self.most_slots, 16 + k))
+        self.writes = SlotWrites(self.origin, self.origin, width=1, most=self.most_slots)
         self.cache = row_slot_cache(len(model.decoder.block), self.writes)
         # Per example, by output index, read back once at the end. A live row has produced < bound
         # tokens and writes at most k more.
@@ -440,31 +443,30 @@ class VerifyLoop:
         tables = self.per_queries[queries]
         highest = max(rows.counts)
         writes.width = highest + queries
-        if writes.width > writes.capacity:
-            writes.capacity = min(self.most_slots, 2 * writes.width)
-        writes.slots = rows.count + tables.fed_offset                             # (live, Q) positions
         if min(rows.counts) == highest:   # every row at one count (always at batch size 1)
             writes.start = highest
             bias = tables.one_count[..., self.bound - 1 - highest: self.bound - 1 + queries]  # (1, heads, Q, W)
         else:
             writes.start = None
+            writes.slots = rows.count + tables.fed_offset                         # (live, Q) positions
             based = rows.count.view(-1, 1, 1, 1) + tables.based_offsets[..., : writes.width]
             bias = self.table.gather(based)                                     # (live, heads, Q, W)
         self.batch_calls += 1
         return self.run(self.model, rows.fed, bias, self.encoder_states, self.cross_mask, self.cache)
 
-    def accept(self, hidden: torch.Tensor) -> tuple[Verified, torch.Tensor | None, torch.Tensor]:
-        """On the device: each row's accepted draft tokens (live,; None when no draft token was
-        fed), its tokens written to `produced`, the fed index of its first end token among them
-        (live,; Q where there is none), and its count moved on."""
+    def accept(self, hidden: torch.Tensor) -> tuple[Verified, torch.Tensor | None, torch.Tensor | None]:
+        """On the device: each row's accepted draft tokens (live,), its tokens written to
+        `produced`, the fed index of its first end token among them (live,; Q where there is none),
+        and its count moved on. Where no draft token was fed, both are None: the row's one token is
+        its newest, which the host reads anyway."""
         rows, drafter = self.rows, self.drafter
         if rows.fed.size(1) == 1:   # the first call, or no row feeds a draft token
             greedy = output_logits(self.model, hidden).argmax(-1)    # (live, 1): the token after it
-            self.produced[self.origin, self.writes.slots] = greedy
+            self.keep_produced(greedy)
             rows.count = rows.count + 1
             verified = Verified(hidden[:, 0], greedy, rows.count, self.live.index, self.origin,
                                 self.produced)
-            return verified, None, greedy.view(-1) != drafter.special.eos   # first end: 0, or 1 = none
+            return verified, None, None
         draft = rows.draft                                           # (live, Q - 1)
         tables = self.per_queries[rows.fed.size(1)]
         offsets, no_end = tables.fed_offset, tables.no_end
@@ -474,9 +476,7 @@ class VerifyLoop:
         # the top-k, and the row's tokens are its accepted draft, then the model's own
         tokens = greedy if drafter.top_k == 1 else torch.where(
             offsets < accepted[:, None], torch.cat([draft, greedy[:, -1:]], dim=1), greedy)
-        # every fed index's token goes to its output index; a row's count tells where its output
-        # ends, and the next call overwrites what lies past it
-        self.produced[self.origin, self.writes.slots] = tokens
+        self.keep_produced(tokens)
         first_end = torch.where(tokens == drafter.special.eos, offsets, no_end).amin(dim=1)  # (live,)
         accepted_column = accepted[:, None]                          # (live, 1)
         next_token = greedy.gather(1, accepted_column)               # (live, 1)
@@ -484,6 +484,15 @@ class VerifyLoop:
         verified = Verified(hidden[self.positions, accepted], next_token, rows.count, self.live.index,
                             self.origin, self.produced)
         return verified, accepted, first_end
+
+    def keep_produced(self, tokens: torch.Tensor) -> None:
+        """Write each fed index's token (live, Q) at its output index, the fed token's position; a
+        row's count tells where its output ends, and the next call overwrites what lies past it."""
+        start = self.writes.start
+        if start is not None:   # every row at one count: one slice of columns
+            self.produced[self.live.index, start: start + tokens.size(1)] = tokens
+        else:
+            self.produced[self.origin, self.writes.slots] = tokens
 
     def top_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's tokens after each fed position that counts: a row's last token and the draft
@@ -505,7 +514,7 @@ class VerifyLoop:
             return full.index_copy_(0, counted, flat).view(*call, *flat.shape[1:])
         return spread(greedy), None if top is None else spread(top)
 
-    def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor):
+    def settle(self, verified: Verified, accepted: torch.Tensor | None, first_end: torch.Tensor | None):
         """The call's one host sync, and what the host decides from it: the tokens each row keeps,
         which rows are done, the drafts counted, the adaptive lengths moved on. A drafter that needs
         nothing on the host drafts every row first, on the device, so that its work is queued before
@@ -515,10 +524,14 @@ class VerifyLoop:
         needs = drafter.host_values(self.state, verified)
         early = None if needs is not None else drafter.draft(self.model, self.state, verified, None)
         drafted = accepted is not None                              # draft tokens were fed
-        read = [first_end, verified.next_token.view(-1), *([accepted] if drafted else []),
+        read = [verified.next_token.view(-1), *([accepted, first_end] if drafted else []),
                 *([rows.probe_tokens] if rows.probe_tokens is not None else []), *(needs or {}).values()]
-        first_end_host, next_host, *rest = self.live.read(torch.stack(read))
-        accepted_host = rest.pop(0) if drafted else [0] * len(next_host)
+        next_host, *rest = self.live.read(torch.stack(read)) if len(read) > 1 else [self.live.read(read[0])]
+        if drafted:
+            accepted_host, first_end_host = rest.pop(0), rest.pop(0)
+        else:   # the one token a row produced is its newest: its first end where it is the end token
+            eos = drafter.special.eos
+            accepted_host, first_end_host = [0] * len(next_host), [int(token != eos) for token in next_host]
         if rows.probe_tokens is not None:
             probe_host = rest.pop(0)
             probes = [token == next_token if probing else None

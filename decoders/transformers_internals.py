@@ -10,7 +10,7 @@ one, and the GPU tests ran on 5.17):
   refuse one the decoders' structured attention cannot pass its mask to, and set when a backbone
   is built from a configuration;
 - T5's shift of labels into decoder inputs (`T5PreTrainedModel._shift_right`);
-- the cache's layer objects (`DynamicLayer`: `update`, `lazy_initialization`, `keys`, `values`,
+- the cache's layer objects (`DynamicLayer`: `update`, `keys`, `values`, `device`,
   `is_initialized`; `DynamicCache.layers`), which the draft-and-verify loop replaces by layers
   that write each row's tokens at its own slots, and where the encoder-decoder cache keeps the
   encoder's keys and values once computed (`EncoderDecoderCache.is_updated`);
