@@ -12,8 +12,9 @@ import torch
 
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
-                             bias_tables, call_width, counted_positions, fed_offers, next_draft_lengths)
+from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder, RowSlotLayer,
+                             SlotWrites, bias_tables, call_width, counted_positions, fed_offers,
+                             next_draft_lengths)
 from decoders.sequential import SequentialDecoder
 from decoders.loop import split_flat_output
 from tasks.bench import bounded, with_drafter
@@ -204,3 +205,39 @@ def test_only_the_positions_a_row_offers_count():
     assert counted_positions([0, 2, 1], torch.device("cpu")).tolist() == [0, 3, 4, 5, 6, 7]
     assert counted_positions([2, 2], torch.device("cpu")) is None   # every position counts
     assert counted_positions([0, 0], torch.device("cpu")) is None   # one column
+
+
+def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_call():
+    # Rows 0 and 1 (2 heads, head_dim 3): calls at one count and at different counts, with
+    # rejected draft tokens (a row's next count is at most its last one plus the tokens fed), checked against a plain (rows, positions) record of what each call
+    # wrote. A slot past a row's count may hold anything (the bias hides it); every slot before it
+    # must hold the key the row's token there was given, and a call returns every slot below
+    # its width.
+    torch.manual_seed(0)
+    writes = SlotWrites(torch.arange(2)[:, None], None, width=0, most=32)
+    layer, written = RowSlotLayer(writes), {}
+
+    def call(counts: list[int], queries: int):
+        keys = torch.randn(2, 2, queries, 3, dtype=torch.float64)
+        writes.width = max(counts) + queries
+        if len(set(counts)) == 1:
+            writes.start = counts[0]
+        else:
+            writes.start = None
+            writes.slots = torch.tensor(counts)[:, None] + torch.arange(queries)
+        stored_keys, stored_values = layer.update(keys, -keys)
+        assert stored_keys.shape == (2, 2, writes.width, 3)
+        for row, count in enumerate(counts):
+            for fed in range(queries):
+                written[row, count + fed] = keys[row, :, fed]
+            for position in range(count + queries):
+                assert torch.equal(stored_keys[row, :, position], written[row, position]), (row, position)
+                assert torch.equal(stored_values[row, :, position], -written[row, position])
+
+    call([0, 0], 1)          # the first call: the start token
+    call([1, 1], 4)          # a draft of 3 at one count
+    call([3, 2], 4)          # row 0 kept 2, row 1 kept 1: different counts, rejected slots overwritten
+    call([5, 5], 2)          # one count again, below the slots the last call wrote
+    call([6, 6], 1)          # a one-token call right after
+    call([7, 7], 3)          # a draft of 2 at one count
+    call([9, 8], 4)          # different counts again, the buffer growing past what it held
