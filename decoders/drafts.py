@@ -184,7 +184,8 @@ class RowSlotLayer(CacheLayer):
         if writes.start is not None:
             if keys.size(2) > writes.start:
                 keys, values = keys.narrow(2, 0, writes.start), values.narrow(2, 0, writes.start)
-            self.keys, self.values = torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+            self.keys = torch.cat([keys, key_states], dim=2)
+            self.values = torch.cat([values, value_states], dim=2)
             return self.keys, self.values
         if keys.size(2) < writes.width:
             room = min(writes.most, 2 * writes.width)
@@ -526,7 +527,7 @@ class VerifyLoop:
         drafted = accepted is not None                              # draft tokens were fed
         read = [verified.next_token.view(-1), *([accepted, first_end] if drafted else []),
                 *([rows.probe_tokens] if rows.probe_tokens is not None else []), *(needs or {}).values()]
-        next_host, *rest = self.live.read(torch.stack(read)) if len(read) > 1 else [self.live.read(read[0])]
+        next_host, *rest = self.live.read_each(read)
         if drafted:
             accepted_host, first_end_host = rest.pop(0), rest.pop(0)
         else:   # the one token a row produced is its newest: its first end where it is the end token

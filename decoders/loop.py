@@ -102,6 +102,11 @@ class LiveRows:
         """`values` as (nested) lists: the one device -> host transfer (sync point) of a call."""
         return values.tolist()
 
+    def read_each(self, values: list[torch.Tensor]) -> list[list]:
+        """Each of `values` (every one (live,)) as a list, in one transfer (`read`): stacked where
+        there are several."""
+        return self.read(torch.stack(values)) if len(values) > 1 else [self.read(values[0])]
+
     def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
         """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
         the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept

@@ -209,10 +209,10 @@ def test_only_the_positions_a_row_offers_count():
 
 def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_call():
     # Rows 0 and 1 (2 heads, head_dim 3): calls at one count and at different counts, with
-    # rejected draft tokens (a row's next count is at most its last one plus the tokens fed), checked against a plain (rows, positions) record of what each call
-    # wrote. A slot past a row's count may hold anything (the bias hides it); every slot before it
-    # must hold the key the row's token there was given, and a call returns every slot below
-    # its width.
+    # rejected draft tokens (a row's next count is at most its last one plus the tokens fed),
+    # checked against a plain (rows, positions) record of what each call wrote. A slot past a row's
+    # count may hold anything (the bias hides it); every slot before it must hold the key the row's
+    # token there was given, and a call returns every slot below its width.
     torch.manual_seed(0)
     writes = SlotWrites(torch.arange(2)[:, None], None, width=0, most=32)
     layer, written = RowSlotLayer(writes), {}
