@@ -14,9 +14,10 @@ feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's
 (Stern et al., Section 5: faster, no longer exact).
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
-`max_new_tokens`. The one host sync of a call reads back each row's accepted count, first end and
-newest token, with whatever the drafter needs on the host (`host_values`: aggressive's re-draft
-decision; lookup needs only the newest tokens); the host decides from them which rows are done and
+`max_new_tokens`. The one host sync of a call reads back each row's newest token, and where draft
+tokens were fed its accepted count and first end (else the newest token is the only one), with
+whatever the drafter needs on the host (`host_values`: aggressive's re-draft decision; lookup needs
+only the newest tokens); the host decides from them which rows are done and
 drops them (`LiveRows`), and only then are the rows that go on drafted for the next call, from those
 host values. A drafter that needs nothing on the host (blockwise: its heads read the decoder's
 state) drafts every live row on the device before the sync instead. Either way the host knows how
