@@ -155,7 +155,7 @@ class SlotWrites:
     attends to slots 0..width-1. No row's slot reaches `most`."""
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    slots: torch.Tensor | None   # set by a call whose rows are at different counts, read by it only
     width: int
     most: int
     start: int | None = None   # where every row is at one count: the first slot all rows write
@@ -422,7 +422,7 @@ class VerifyLoop:
         self.live = LiveRows(batch_size, device)
         self.positions = self.live.index                             # (live,): 0..live-1
         self.origin = self.live.index[:, None]                       # (live, 1): each row's example
-        self.writes = SlotWrites(self.origin, self.origin, width=1, most=self.most_slots)
+        self.writes = SlotWrites(self.origin, None, width=1, most=self.most_slots)
         self.cache = row_slot_cache(len(model.decoder.block), self.writes)
         # Per example, by output index, read back once at the end. A live row has produced < bound
         # tokens and writes at most k more.
