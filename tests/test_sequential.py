@@ -81,3 +81,22 @@ def test_matches_transformers_generate_after_training():
     for i, ref in enumerate(reference):
         ended = ref[-1] == SPECIAL.eos
         assert out.subsequences[i] == split_on(ref[:-1] if ended else ref, SPECIAL.sep)
+
+
+def test_generate_reference_decodes_a_decoder_deeper_than_its_encoder():
+    """transformers' `generate` makes its cache one layer per encoder layer, which fails on a deeper
+    decoder (QA's default model has 3 decoder layers on 2 encoder ones); the speed tables' reference
+    row (`TransformersGenerate`) gives it a cache that grows, and equals sequential there too."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from tasks.comparison.timing import TransformersGenerate
+    torch.manual_seed(0)
+    config = T5Config(**(tiny_t5(0).config.to_dict() | {"num_decoder_layers": 3}))
+    model = T5ForConditionalGeneration(config).eval()
+    assert model.config.num_decoder_layers > model.config.num_layers
+    input_ids, attention_mask = random_batch(6, seed=3)
+    reference = TransformersGenerate(15, SPECIAL).generate(model, input_ids, attention_mask)
+    out = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=15).generate(
+        model, input_ids, attention_mask)
+    assert any(out.subsequences)
+    assert reference.subsequences == out.subsequences
+    assert reference.hit_max_steps == out.hit_max_steps

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoders.backbone import new_cache
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output
 from tasks.comparison.measure import PeakMemory
@@ -75,8 +76,11 @@ class TransformersGenerate:
         calls = []   # the model's decoder passes: the generated length for greedy, fewer when assisted
         counting = model.get_decoder().register_forward_pre_hook(lambda *_: calls.append(1))
         try:
+            # an empty cache of its own: the one `generate` makes has a layer per encoder layer
+            # (`num_layers`), and fails on a decoder deeper than its encoder (`num_decoder_layers`)
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                 num_beams=1, max_new_tokens=self.max_new_tokens, **lookup)
+                                 num_beams=1, max_new_tokens=self.max_new_tokens,
+                                 cache=new_cache(), **lookup)
         finally:
             counting.remove()
         rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
