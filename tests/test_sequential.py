@@ -1,9 +1,11 @@
 """The sequential decoder equals transformers' greedy `generate`, token for token."""
 import pytest
 import torch
+from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import build_decoder
 from decoders.loop import split_on
+from tasks.comparison.timing import TransformersGenerate
 from tests.conftest import (SPECIAL, assert_alone_equals_batched, briefly_trained,
                             first_batch_where, random_batch, tiny_t5)
 
@@ -87,8 +89,6 @@ def test_generate_reference_decodes_a_decoder_deeper_than_its_encoder():
     """transformers' `generate` makes its cache one layer per encoder layer, which fails on a deeper
     decoder (QA's default model has 3 decoder layers on 2 encoder ones); the speed tables' reference
     row (`TransformersGenerate`) gives it a cache that grows, and equals sequential there too."""
-    from transformers import T5Config, T5ForConditionalGeneration
-    from tasks.comparison.timing import TransformersGenerate
     torch.manual_seed(0)
     config = T5Config(**(tiny_t5(0).config.to_dict() | {"num_decoder_layers": 3}))
     model = T5ForConditionalGeneration(config).eval()
