@@ -44,9 +44,10 @@ from decoders.sequential import SequentialDecoder
 class SourceLookup:
     """Every example's source laid out for the lookup on the host, made once per decode."""
 
-    # per example: each window of `match` real source tokens that some real token follows -> the
-    # up to `draft_tokens` real tokens after its latest occurrence
-    continuations: list[dict[tuple[int, ...], list[int]]]
+    sources: list[list[int]]   # per example: its real source tokens
+    # per example: each window of `match` real source tokens that some real token follows -> where
+    # the tokens after its latest occurrence start in `sources`
+    continuations: list[dict[tuple[int, ...], int]]
     # (match - 1,) -match..-2: output indices of the tokens before a row's newest one, from its
     # count; None at match 1, where the newest token is all a row looks up
     earlier_offsets: torch.Tensor | None
@@ -75,15 +76,17 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         return self.draft_tokens
 
     def begin_drafts(self, model, source: Source) -> SourceLookup:
-        m, n = self.draft_tokens, self.match
-        continuations = []
+        n = self.match
+        sources, continuations = [], []
         # the decode's one read of its sources to the host (a host sync once per decode)
         for row, mask in zip(*read_back(source.input_ids, source.attention_mask)):
             real = [token for token, visible in zip(row, mask) if visible]
-            # later windows overwrite earlier ones: each keeps its latest occurrence
-            continuations.append({tuple(real[start:start + n]): real[start + n: start + n + m]
-                                  for start in range(len(real) - n)})
-        return SourceLookup(continuations,
+            windows = zip(*(real[i: len(real) - n + i] for i in range(n)))   # those a token follows
+            # built by `dict` itself, not a Python loop: it is on every decode's critical path;
+            # later windows overwrite earlier ones, so each keeps its latest occurrence
+            sources.append(real)
+            continuations.append(dict(zip(windows, range(n, len(real)))))
+        return SourceLookup(sources, continuations,
                             torch.arange(-n, -1, device=source.input_ids.device) if n > 1 else None)
 
     def host_values(self, state: SourceLookup, verified: Verified) -> dict[str, torch.Tensor]:
@@ -98,11 +101,13 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
 
     def draft(self, model, state: SourceLookup, verified: Verified, host: dict[str, list[int]]) -> Draft:
         earlier = [host[f"token_{i}"] for i in range(self.match - 1)]
-        drafts = [state.continuations[example].get((*(tokens[row] for tokens in earlier), token), [])
-                  for row, (example, token) in enumerate(zip(host["example"], host["next_token"]))]
+        m, drafts = self.draft_tokens, []
+        for row, (example, token) in enumerate(zip(host["example"], host["next_token"])):
+            start = state.continuations[example].get((*(tokens[row] for tokens in earlier), token))
+            drafts.append([] if start is None else state.sources[example][start: start + m])
         offered = [len(tokens) for tokens in drafts]
         if not any(offered):
             return Draft(None, offered)
         filler = self.special.pad   # past a row's offer: never accepted
-        rows = [tokens + [filler] * (self.draft_tokens - len(tokens)) for tokens in drafts]
+        rows = [tokens + [filler] * (m - len(tokens)) for tokens in drafts]
         return Draft(send(rows, verified.count.device), offered)   # (live, m)
