@@ -39,7 +39,7 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode
-from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
+from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.loop import Stopwatch, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
@@ -77,6 +77,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
                "draft_length": DRAFT_LENGTH,
+               "min_acceptance": MIN_ACCEPTANCE,
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
                                             decode_only=True)}

@@ -33,7 +33,7 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
-from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Verified
+from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
 from decoders.transformers_internals import shift_right
 
@@ -97,7 +97,8 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
                "freeze_backbone": Option(False),
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
-               "draft_length": DRAFT_LENGTH}
+               "draft_length": DRAFT_LENGTH,
+               "min_acceptance": MIN_ACCEPTANCE}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)

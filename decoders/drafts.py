@@ -35,6 +35,13 @@ another row's drafts pass; and a call feeds no wider a draft than half its rows 
 (`call_width`), so that one row's long draft does not widen the call for all (`fed_offers`). The
 schedule runs on the host, from the values the call's sync reads.
 
+Whether drafts are fed at all (`min_acceptance`): a draft column costs every row of a call, so drafts
+pay only where they are accepted often enough. The loop tallies, over the decode so far, how many
+rows' drafts had their first token accepted (`FirstTokenTally`: fed drafts and probed ones alike),
+and while that share is below `min_acceptance` a call feeds no draft and every row that offers one
+probes it instead, so that the tally goes on at no cost and feeding resumes when drafts pass again.
+At 0 (the default) every call feeds its drafts.
+
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position. A call
 writes its fed tokens at their own positions; a rejected draft token's slot lies at or past the
 row's new count, where the next call writes its own fed tokens before attending, and every slot past
@@ -60,7 +67,7 @@ from transformers.cache_utils import EncoderDecoderCache
 
 from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
                                past_distance_bias_table)
-from datamodules.vocabulary import Choice
+from datamodules.vocabulary import Choice, Range
 from decoders.base import Decoder, Option
 from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back, send
 from decoders.transformers_internals import CacheLayer, cache_with_self_attention_layers
@@ -89,6 +96,35 @@ def accepted_length(drafts: torch.Tensor, candidates: torch.Tensor,
 # (`adaptive`, `next_draft_lengths`).
 FIXED, ADAPTIVE = "fixed", "adaptive"
 DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
+
+
+# The share of drafts whose first token the model accepts, over a decode so far, below which a call
+# feeds no draft (the decoders' option `min_acceptance`, `FirstTokenTally`); 0: every call feeds.
+MIN_ACCEPTANCE = Option(0.0, Range(ge=0, le=1, integer=False,
+                                   note="share of drafts accepted at their first token"),
+                        decode_only=True)
+
+
+@dataclass
+class FirstTokenTally:
+    """Of the drafts a decode's rows offered so far, fed or probed, how many had their first token
+    accepted (host ints), and whether that share reaches `threshold` (`min_acceptance`). The first
+    token is what a probe checks too, so a row's unfed draft counts as its fed one would: the tally
+    goes on while no draft is fed. Before any draft it reaches every threshold."""
+
+    threshold: float
+    hits: int = 0
+    tries: int = 0
+
+    def add(self, offers: list[int], accepted: list[int], probes: list[bool | None]) -> None:
+        """A call's rows: what each fed (`offers`) and accepted, and its probe (None: none)."""
+        for offer, taken, probe in zip(offers, accepted, probes):
+            if offer or probe is not None:
+                self.tries += 1
+                self.hits += bool(taken) if offer else probe
+
+    def reached(self) -> bool:
+        return self.hits >= self.threshold * self.tries
 
 
 def next_draft_lengths(lengths: list[int], offers: list[int], accepted: list[int],
@@ -124,11 +160,15 @@ def call_width(offers: list[int]) -> int:
     return sorted(offers, reverse=True)[(len(offers) - 1) // 2]
 
 
-def fed_offers(offers: list[int], lengths: list[int] | None) -> tuple[list[int], list[bool]]:
+def fed_offers(offers: list[int], lengths: list[int] | None,
+               feeding: bool = True) -> tuple[list[int], list[bool]]:
     """How many of its drafter's offered tokens each row feeds (host ints), and which rows probe:
     under the fixed length all of them; under the adaptive one at most its length, in a call as
-    wide as `call_width`. A row whose drafter offered a token that it does not feed probes it: the
+    wide as `call_width`; none where the decode's drafts are accepted too rarely (`feeding` False,
+    `FirstTokenTally`). A row whose drafter offered a token that it does not feed probes it: the
     draft's first token is compared with the model's next token (`next_draft_lengths`)."""
+    if not feeding:
+        return [0] * len(offers), [offer > 0 for offer in offers]
     if lengths is None:
         return offers, [False] * len(offers)
     capped = [min(offer, length) for offer, length in zip(offers, lengths)]
@@ -278,6 +318,7 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
     max_new_tokens: int
     top_k: int = 1
     draft_length: str = FIXED
+    min_acceptance: float = 0.0
     # the `stats` key counting the decoder calls of every example (beside "accepted_tokens", the
     # tokens they produced: their ratio is the mean tokens per call)
     calls_stat: ClassVar[str] = "draft_calls"
@@ -436,6 +477,7 @@ class VerifyLoop:
                          lengths=[self.width] * batch_size if drafter.draft_length == ADAPTIVE else None)
         self.final_counts, self.calls, self.batch_calls = [0] * batch_size, [0] * batch_size, 0
         self.counters = dict.fromkeys(LOOP_COUNTERS, 0)
+        self.tally = FirstTokenTally(drafter.min_acceptance) if drafter.min_acceptance > 0 else None
 
     def feed(self) -> torch.Tensor:
         """One decoder call: every live row's fed tokens written at their positions, attending to the
@@ -542,6 +584,8 @@ class VerifyLoop:
             probes = [None] * len(next_host)
         if drafted:
             self.count_drafts(accepted_host, next_host, rows.offers)
+        if self.tally is not None:
+            self.tally.add(rows.offers, accepted_host, probes)
         if rows.lengths is not None:
             rows.lengths = next_draft_lengths(rows.lengths, rows.offers, accepted_host, probes, self.width)
         done = []
@@ -605,7 +649,8 @@ class VerifyLoop:
         (the offers, the probes)."""
         rows, live = self.rows, len(self.rows.counts)
         offers = draft.offered if draft.offered is not None else [self.width] * live
-        rows.offers, rows.probes = fed_offers(offers, rows.lengths)
+        rows.offers, rows.probes = fed_offers(offers, rows.lengths,
+                                              self.tally is None or self.tally.reached())
         rows.probe_tokens = draft.tokens[:, 0] if any(rows.probes) else None
         # where rows offer different numbers of tokens, which positions count, and the offers on the
         # device for the acceptance

@@ -35,7 +35,7 @@ import torch
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.drafts import DRAFT_LENGTH, Draft, DraftAndVerifyDecoder, Source, Verified
+from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.loop import NOT_PRODUCED, read_back, send
 from decoders.sequential import SequentialDecoder
 
@@ -63,7 +63,8 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
                "match": Option(1, Range(ge=1, note="output tokens looked up in the source"),
                                decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
-               "draft_length": DRAFT_LENGTH}
+               "draft_length": DRAFT_LENGTH,
+               "min_acceptance": MIN_ACCEPTANCE}
 
     # The sequential layout and loss, shared rather than copied: those of the model it decodes
     # (tasks never fit this decoder, `trains_nothing`; a test may train a model with them).

@@ -12,9 +12,9 @@ import torch
 
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder, RowSlotLayer,
-                             SlotWrites, bias_tables, call_width, counted_positions, fed_offers,
-                             next_draft_lengths)
+from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
+                             FirstTokenTally, RowSlotLayer, SlotWrites, bias_tables, call_width,
+                             counted_positions, fed_offers, next_draft_lengths)
 from decoders.sequential import SequentialDecoder
 from decoders.loop import split_flat_output
 from tasks.bench import bounded, with_drafter
@@ -107,8 +107,8 @@ def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypa
     cut: list[int] = []   # draft tokens cut, per call narrowed to a width of 1 or more
     fed: list[int] = []   # draft tokens fed, per call after the first
 
-    def counting(offers, lengths):
-        feeds, probes = fed_offers(offers, lengths)
+    def counting(offers, lengths, feeding):
+        feeds, probes = fed_offers(offers, lengths, feeding)
         if max(feeds):
             cut.append(sum(min(offer, length) - feed for offer, length, feed in zip(offers, lengths, feeds)))
         fed.append(sum(feeds))
@@ -127,6 +127,51 @@ def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypa
     assert sum(cut) > 0
     # what the loop counts as offered is what it fed, not what the drafter offered before the cut
     assert out.stats["draft_tokens_offered"] == sum(fed)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_drafts_accepted_too_rarely_are_probed_not_fed(name, monkeypatch):
+    """At min_acceptance 1 the first draft whose first token the model rejects stops the decode's
+    feeding for good (the tally can no longer reach 1): the rows probe their drafts instead, and
+    the output stays greedy. (Under the adaptive length too: `fed_offers` feeds nothing then.)"""
+    model, decoder = trained(name)
+    decoder.draft_length = FIXED
+    monkeypatch.setattr(decoder, "min_acceptance", 1.0)
+    feeding: list[bool] = []   # per call after the first: whether it could feed drafts
+    fed: list[int] = []        # draft tokens fed, per such call
+
+    def recording(offers, lengths, feeds_drafts):
+        feeds, probes = fed_offers(offers, lengths, feeds_drafts)
+        feeding.append(feeds_drafts)
+        fed.append(sum(feeds))
+        return feeds, probes
+    monkeypatch.setattr(drafts, "fed_offers", recording)
+
+    def stopping(input_ids, attention_mask):
+        """drafts fed, then feeding stopped where the decode without the threshold feeds more"""
+        feeding.clear()
+        fed.clear()
+        gated = decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_offered"]
+        with monkeypatch.context() as always:
+            always.setattr(decoder, "min_acceptance", 0.0)
+            fed_always = decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_offered"]
+        return 0 < gated < fed_always
+    input_ids, attention_mask = first_batch_where(stopping, 8, max_len=9, seed=60, tries=40)
+    feeding.clear()
+    fed.clear()
+    assert_greedy(decoder, model, input_ids, attention_mask)
+    stop = feeding.index(False)
+    assert sum(fed[:stop]) > 0 and all(not feeds for feeds in feeding[stop:]) and sum(fed[stop:]) == 0
+
+
+def test_a_tally_counts_fed_and_probed_drafts_at_their_first_token():
+    tally = FirstTokenTally(threshold=0.5)
+    assert tally.reached()                                   # no draft yet: feed
+    # fed 2 (1 accepted), fed 3 (0 accepted), offered nothing, probed a right and a wrong token
+    tally.add([2, 3, 0, 0, 0], [1, 0, 0, 0, 0], [None, None, None, True, False])
+    assert (tally.hits, tally.tries) == (2, 4) and tally.reached()
+    tally.add([1], [0], [None])
+    assert (tally.hits, tally.tries) == (2, 5) and not tally.reached()
 
 
 class RepeatingDrafter(DraftAndVerifyDecoder):
@@ -177,6 +222,10 @@ def test_a_row_feeds_at_most_its_length_and_probes_what_it_does_not_feed():
     assert fed_offers(offers, [0, 0, 0, 2, 3, 4]) == ([0, 0, 0, 1, 1, 1], [True, False, True] + [False] * 3)
     # a call that feeds no draft (most rows offer none): every row that offered probes instead
     assert fed_offers(offers, [0, 0, 0, 2, 0, 0]) == ([0] * 6, [True, False, True, True, True, True])
+    # a decode whose drafts are accepted too rarely (`FirstTokenTally`): no row feeds, every row
+    # that offered probes, under either length
+    for lengths in (None, [4] * 6):
+        assert fed_offers(offers, lengths, feeding=False) == ([0] * 6, [True, False, True, True, True, True])
 
 
 def test_a_call_is_as_wide_as_half_its_rows_offer():

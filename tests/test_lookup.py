@@ -354,7 +354,7 @@ def test_yaml_options_are_the_constructor_arguments():
     cfg = compose(task="keyphrase", decoder="lookup")
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length,
-                       "draft_length": "fixed", "compile": False}
+                       "draft_length": "fixed", "min_acceptance": 0.0, "compile": False}
     decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
     assert (decoder.draft_width, decoder.match) == (4, 1)
     assert set(decoder_class("lookup").decode_only_options()) == set(options)
