@@ -39,8 +39,8 @@ Whether drafts are fed at all (`min_acceptance`): a draft column costs every row
 pay only where they are accepted often enough. The loop tallies, over the decode so far, how many
 rows' drafts had their first token accepted (`FirstTokenTally`: fed drafts and probed ones alike),
 and while that share is below `min_acceptance` a call feeds no draft and every row that offers one
-probes it instead, so that the tally goes on at no cost and feeding resumes when drafts pass again.
-At 0 (the default) every call feeds its drafts.
+probes it instead, so that the tally goes on at no cost and feeding resumes when drafts pass again;
+a decode's first drafts are probed, not fed. At 0 (the default) every call feeds its drafts.
 
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position. A call
 writes its fed tokens at their own positions; a rejected draft token's slot lies at or past the
@@ -110,7 +110,8 @@ class FirstTokenTally:
     """Of the drafts a decode's rows offered so far, fed or probed, how many had their first token
     accepted (host ints), and whether that share reaches `threshold` (`min_acceptance`). The first
     token is what a probe checks too, so a row's unfed draft counts as its fed one would: the tally
-    goes on while no draft is fed. Before any draft it reaches every threshold."""
+    goes on while no draft is fed. Before any draft it reaches no threshold: a decode's first
+    drafts are probed, which costs nothing, and fed only once they have shown that they pass."""
 
     threshold: float
     hits: int = 0
@@ -124,7 +125,7 @@ class FirstTokenTally:
                 self.hits += bool(taken) if offer else probe
 
     def reached(self) -> bool:
-        return self.hits >= self.threshold * self.tries
+        return self.tries > 0 and self.hits >= self.threshold * self.tries
 
 
 def next_draft_lengths(lengths: list[int], offers: list[int], accepted: list[int],

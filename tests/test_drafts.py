@@ -12,8 +12,8 @@ import torch
 
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, Draft, DraftAndVerifyDecoder,
-                             FirstTokenTally, RowSlotLayer, SlotWrites, bias_tables, call_width,
+from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, Draft,
+                             DraftAndVerifyDecoder, FirstTokenTally, RowSlotLayer, SlotWrites, bias_tables, call_width,
                              counted_positions, fed_offers, next_draft_lengths)
 from decoders.sequential import SequentialDecoder
 from decoders.loop import split_flat_output
@@ -129,14 +129,39 @@ def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypa
     assert out.stats["draft_tokens_offered"] == sum(fed)
 
 
-@pytest.mark.parametrize("name", DRAFTERS)
-def test_drafts_accepted_too_rarely_are_probed_not_fed(name, monkeypatch):
-    """At min_acceptance 1 the first draft whose first token the model rejects stops the decode's
-    feeding for good (the tally can no longer reach 1): the rows probe their drafts instead, and
-    the output stays greedy. (Under the adaptive length too: `fed_offers` feeds nothing then.)"""
-    model, decoder = trained(name)
-    decoder.draft_length = FIXED
-    monkeypatch.setattr(decoder, "min_acceptance", 1.0)
+class KnowingDrafter(DraftAndVerifyDecoder):
+    """A drafter that knows each example's greedy output: its drafts are that output's next tokens
+    while a row has produced fewer than `right_until` tokens, and wrong ones after, so that a test
+    decides which drafts pass."""
+
+    layout_family = SequentialDecoder.layout_family
+    trains_nothing = True
+    layout, loss = SequentialDecoder.layout, SequentialDecoder.loss
+    options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH,
+               "min_acceptance": MIN_ACCEPTANCE}
+    draft_width = 2
+
+    def __init__(self, *args, outputs: list[list[int]], right_until: int, **options):
+        super().__init__(*args, **options)
+        self.outputs, self.right_until = outputs, right_until
+
+    def host_values(self, state, verified):
+        return {"count": verified.count.view(-1)}
+
+    def draft(self, model, state, verified, host) -> Draft:
+        drafts, vocab = [], model.config.vocab_size
+        for example, count in zip(host["example"], host["count"]):
+            right = self.outputs[example][count: count + self.draft_width]
+            right += [SPECIAL.pad] * (self.draft_width - len(right))
+            drafts.append(right if count < self.right_until else [(token + 1) % vocab for token in right])
+        return Draft(torch.tensor(drafts, device=verified.count.device), offered=None)
+
+
+def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch):
+    """With min_acceptance, a decode probes its first drafts, feeds them once they have passed,
+    and stops feeding once too few have (its rows probe them instead); the output stays greedy.
+    (Under the adaptive length too: `fed_offers` feeds nothing then.)"""
+    model = tiny_t5(0)
     feeding: list[bool] = []   # per call after the first: whether it could feed drafts
     fed: list[int] = []        # draft tokens fed, per such call
 
@@ -147,26 +172,28 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(name, monkeypatch):
         return feeds, probes
     monkeypatch.setattr(drafts, "fed_offers", recording)
 
-    def stopping(input_ids, attention_mask):
-        """drafts fed, then feeding stopped where the decode without the threshold feeds more"""
-        feeding.clear()
-        fed.clear()
-        gated = decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_offered"]
-        with monkeypatch.context() as always:
-            always.setattr(decoder, "min_acceptance", 0.0)
-            fed_always = decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_offered"]
-        return 0 < gated < fed_always
-    input_ids, attention_mask = first_batch_where(stopping, 8, max_len=9, seed=60, tries=40)
+    def long_outputs(input_ids, attention_mask):
+        """every output 16 tokens or longer"""
+        return min(map(len, greedy_outputs(model, input_ids, attention_mask, BOUND))) >= 16
+    input_ids, attention_mask = first_batch_where(long_outputs, 3, seed=120)
+    outputs = greedy_outputs(model, input_ids, attention_mask, BOUND)
+    decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs,
+                             right_until=6, min_acceptance=0.5).eval()
+    gated = assert_greedy(decoder, model, input_ids, attention_mask)
+    began = feeding.index(True)
+    stop = feeding.index(False, began)
+    # probed first (the call after the start token's), fed while right, then never again
+    assert began == 1 and not any(feeding[stop:]) and sum(fed[began:stop]) > 0 == sum(fed[stop:])
     feeding.clear()
     fed.clear()
-    assert_greedy(decoder, model, input_ids, attention_mask)
-    stop = feeding.index(False)
-    assert sum(fed[:stop]) > 0 and all(not feeds for feeds in feeding[stop:]) and sum(fed[stop:]) == 0
+    decoder.min_acceptance = 0.0
+    always = assert_greedy(decoder, model, input_ids, attention_mask)
+    assert all(feeding) and gated.stats["draft_tokens_offered"] < always.stats["draft_tokens_offered"]
 
 
 def test_a_tally_counts_fed_and_probed_drafts_at_their_first_token():
     tally = FirstTokenTally(threshold=0.5)
-    assert tally.reached()                                   # no draft yet: feed
+    assert not tally.reached()                               # no draft yet: probe first
     # fed 2 (1 accepted), fed 3 (0 accepted), offered nothing, probed a right and a wrong token
     tally.add([2, 3, 0, 0, 0], [1, 0, 0, 0, 0], [None, None, None, True, False])
     assert (tally.hits, tally.tries) == (2, 4) and tally.reached()
