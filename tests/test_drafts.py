@@ -70,10 +70,12 @@ def trained(name: str):
 @pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("length", [FIXED, ADAPTIVE])
-def test_a_random_model_decodes_greedily(name, seed, length):
+@pytest.mark.parametrize("min_acceptance", [0.0, 0.5])
+def test_a_random_model_decodes_greedily(name, seed, length, min_acceptance):
     model = tiny_t5(seed)
     decoder = with_drafter(build_decoder(name, model.config, SPECIAL, draft_length=length,
-                                         **bounded(name, BOUND)), model).eval()
+                                         min_acceptance=min_acceptance, **bounded(name, BOUND)),
+                           model).eval()
 
     def varied(input_ids, attention_mask):
         """outputs of 3 or more lengths, one of them ended by its end token"""
