@@ -16,6 +16,10 @@ Algorithm.
        same length. Where the verified output has outgrown the draft, the drafter re-drafts too, at
        a length `draft_tokens` past the verified prefix (capped at its `max_new_tokens`; past that
        nothing is offered and the verifier goes on alone, one token per call).
+       With `redraft` = "outgrown" a rejected draft is not drafted again: its later tokens are
+       offered as they are (right wherever the drafter only got a token wrong, not the length of
+       what precedes), and only a draft the output has outgrown is. It trades verifier calls for
+       drafter passes; the paper's rule ("mismatch") is the default.
 With `top_k` = 1 the output is exactly sequential greedy decoding of the verifier, whatever the
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
 the verifier's top-k tokens there): faster, no longer exact.
@@ -36,13 +40,18 @@ import torch
 import torch.nn.functional as F
 
 from decoders import register
-from datamodules.vocabulary import Range, SpecialTokens
+from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode
 from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.loop import Stopwatch, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
+
+
+# When the drafter drafts again (the option `redraft`): wherever the verifier rejects a draft token,
+# as Ge et al. do, or only where the verified output has outgrown the draft.
+MISMATCH, OUTGROWN = "mismatch", "outgrown"
 
 
 @dataclass
@@ -80,7 +89,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                "min_acceptance": MIN_ACCEPTANCE,
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
-                                            decode_only=True)}
+                                            decode_only=True),
+               "redraft": Option(MISMATCH, Choice((MISMATCH, OUTGROWN)), decode_only=True)}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
@@ -130,20 +140,23 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         count = verified.count.view(-1)                               # (live,)
         lengths = state.lengths[verified.example]                     # (live,)
         columns = state.tokens.size(1)
-        # the draft's token at the verifier's own token's index (count - 1); a row whose output has
-        # reached its draft's length needs drafting again anyway
-        drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
+        # a row whose output has reached its draft's length needs drafting again whatever the rule
+        needed = count >= lengths
+        if self.redraft == MISMATCH:
+            # the draft's token at the verifier's own token's index (count - 1)
+            drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
+            needed = needed | (drafted != verified.next_token).view(-1)
         # rows that are done are dropped before drafting, so this need not know which those are
-        needed = ((drafted != verified.next_token).view(-1) | (count >= lengths)) & (count < columns)
-        return {"redraft": needed, "count": count, "length": lengths}
+        return {"redraft": needed & (count < columns), "count": count, "length": lengths}
 
     def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
         lengths = list(host["length"])
         rows = [row for row, need in enumerate(host["redraft"]) if need]
         if rows:
             with state.clock.timing():
-                redrafted = self.redraft(state, verified, rows, [host["count"][row] for row in rows],
-                                         [lengths[row] for row in rows])
+                redrafted = self.draft_again(state, verified, rows,
+                                             [host["count"][row] for row in rows],
+                                             [lengths[row] for row in rows])
             for row, length in zip(rows, redrafted):
                 lengths[row] = length
         m, columns = self.draft_tokens, state.tokens.size(1)
@@ -153,8 +166,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         return Draft(state.tokens[verified.origin, indices],
                      offered=[min(max(length - count, 0), m) for length, count in zip(lengths, host["count"])])
 
-    def redraft(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
-                lengths: list[int]) -> list[int]:
+    def draft_again(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
+                    lengths: list[int]) -> list[int]:
         """Draft again, with the verified prefix given, the live `rows`, whose counts are `given`
         and whose drafts have `lengths` tokens: at the same length where the draft disagrees, and
         `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out.

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from decoders import build_decoder
+from decoders.aggressive import MISMATCH, OUTGROWN
 from decoders.backbone import output_logits
 from decoders.nar import MaskPredictDecoder, tokens_to_remask
 from decoders.transformers_internals import shift_right
@@ -100,11 +101,12 @@ def corrupted(tokens, positions):
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 8])
-def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens):
+@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN])
+def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens, redraft):
     model, drafter_model = tiny_t5(0), tiny_t5(7)
     drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_new_tokens=BOUND).eval()
     input_ids, attention_mask = random_batch(batch_size, seed=3)
-    out = aggressive(model, drafter, drafter_model, draft_tokens=draft_tokens).generate(
+    out = aggressive(model, drafter, drafter_model, draft_tokens=draft_tokens, redraft=redraft).generate(
         model, input_ids, attention_mask)
     assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, draft_tokens)
@@ -140,6 +142,32 @@ def test_missed_drafts_are_drafted_again_after_the_verified_prefix():
         assert prefix == drafter.later[source][: len(prefix)]
     assert sorted(len(prefix) for _, prefix in drafter.redraft_prefixes) == sorted(i + 1 for i in missed)
     assert 0 < out.stats["draft_tokens_accepted"] < out.stats["draft_tokens_offered"]
+
+
+def test_with_the_outgrown_rule_a_rejected_drafts_later_tokens_are_offered_as_they_are():
+    """Example i's first draft has one wrong token, at index i (none for the last): with
+    `redraft=outgrown` no row is drafted again, and the draft's tokens after the wrong one, right
+    here, are accepted, so a row takes at most one call more than a perfect draft would; with the
+    paper's rule every row that rejects a token is drafted again."""
+    batch, draft_tokens = 8, 3
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(
+        batch, 2, lambda i, g: corrupted(g, {i}) if i < batch - 1 else g)
+    missed = [i for i in range(batch - 1) if i < len(greedy[i])]
+    assert missed
+    reference = sequential(model, BOUND).generate(model, input_ids, attention_mask)
+    perfect_calls = [1 + -(-(len(g) - 1) // (draft_tokens + 1)) for g in greedy]
+
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=draft_tokens, redraft=OUTGROWN).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, reference)
+    assert_consistent_telemetry(out, draft_tokens)
+    assert out.stats["redrafts"] == 0 and drafter.redraft_prefixes == []
+    assert all(calls <= perfect + 1 for calls, perfect in zip(out.decoder_calls, perfect_calls))
+
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=draft_tokens, redraft=MISMATCH).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, reference)
+    assert out.stats["redrafts"] == len(missed)
 
 
 def test_drafts_past_the_end_token_and_drafts_cut_short():

@@ -65,7 +65,7 @@ def drafter_work(decoder) -> tuple[list[nn.Module], list[tuple[object, str]]]:
     if attached is None:
         return [], []
     nar, nar_model = attached
-    return model_modules(nar_model), [(decoder, "begin_drafts"), (decoder, "redraft"),
+    return model_modules(nar_model), [(decoder, "begin_drafts"), (decoder, "draft_again"),
                                       (nar, "mask_predict"), (nar, "predict_outputs")]
 
 
