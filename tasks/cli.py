@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,8 +26,9 @@ USER_ERRORS = (ConfigError, DataError, TokenizerError, ModelError)
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
-    """The command a result was made by: `python -m MODULE` and its arguments."""
-    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
+    """The command a result was made by: `python -m MODULE` and its arguments, each quoted where
+    a shell would read it otherwise (`"aggressive(redraft=outgrown)=S"`), so it runs as written."""
+    return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
 def write_report(out: str | Path, result: dict, table: str) -> Path:

@@ -1,6 +1,7 @@
 """`tasks.compare` on a tiny run: JSON schema, speedup arithmetic, the comparison's MLflow run with the
 rows' runs nested under it, plots; what a --ckpt checkpoint must agree on with the plan."""
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,12 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from tasks import compare, test as test_entry
-from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential, parse_decoders,
-                                   plan, training_label, user_sets)
+from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential,
+                                   parse_checkpoints, parse_decoders, plan, row_label, row_settings,
+                                   training_label, user_sets)
 from tasks.comparison import report
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
+from tasks.cli import command_line
 from tasks.config import ConfigError, compose
 from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
 from tasks.runs.trainer import Trained, build, score_into_run
@@ -103,6 +106,31 @@ def test_sweep_of_an_option_no_decoder_has_is_refused():
         plan("keyphrase", ["sequential"], None, [], {"decoder.delay": ["1", "2"]})
 
 
+def test_a_row_name_carries_decoder_settings_as_row_labels_write_them():
+    assert row_settings("aggressive(redraft=outgrown,draft_tokens=4)") == (
+        "aggressive", ["decoder.redraft=outgrown", "decoder.draft_tokens=4"])
+    assert row_settings("lookup") == ("lookup", [])
+    cfg = plan("keyphrase", ["nar"], None, [], {"decoder.iterations": ["2"]})[0][0]
+    assert row_settings(row_label(cfg, ["iterations"])) == ("nar", ["decoder.iterations=2"])
+    # the `=` inside the settings is not the one before the path, nor one inside the path
+    assert parse_checkpoints(["aggressive(redraft=outgrown)=runs/a=b.ckpt", "lookup=x(1).ckpt"]) == {
+        "aggressive(redraft=outgrown)": "runs/a=b.ckpt", "lookup": "x(1).ckpt"}
+    with pytest.raises(ConfigError, match=r"'lookup\(draft_tokens=1': expected NAME or "
+                                          r"NAME\(OPTION=VALUE,...\)"):
+        row_settings("lookup(draft_tokens=1")
+    with pytest.raises(ConfigError, match=r"'lookup\(draft_tokens\)': each setting is OPTION=VALUE"):
+        row_settings("lookup(draft_tokens)")
+
+
+def test_a_recorded_command_runs_as_written():
+    """Arguments a shell would read otherwise are quoted in the command a result records."""
+    argv = ["--ckpt", "aggressive(redraft=outgrown)=runs/S.ckpt", "model.position_heads.encoder=[-1,1]",
+            "decoder.delay=2"]
+    recorded = command_line("tasks.bench.gpu_benchmark", argv)
+    assert recorded.startswith("python -m tasks.bench.gpu_benchmark --ckpt 'aggressive(")
+    assert shlex.split(recorded) == ["python", "-m", "tasks.bench.gpu_benchmark", *argv]
+
+
 def test_decoder_specific_override_goes_to_its_decoder_only():
     rows = plan("keyphrase", ["sequential", "pipelined"], None, ["decoder.delay=2"], {})
     assert [cfg.decoder.name for cfg, _ in rows] == ["sequential", "pipelined"]
@@ -115,18 +143,20 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     is none: the same code path on the CPU, with the note saying so, one row per decoder and batch
     size, a row named after a decoder decoding its checkpoint with that decoder."""
     from tasks import fit
-    from tasks.bench import gpu_benchmark, peers
+    from tasks.bench import gpu_benchmark, peers, restored
     paths = {name: fit.main(["--decoder", name, *TINY, *tracking(tmp_path)])["checkpoint"]
              for name in ("sequential", "pipelined")}
     out = tmp_path / "bench.json"
     result = gpu_benchmark.main([f"--ckpt=sequential={paths['sequential']}",
                                  f"--ckpt=pipelined={paths['pipelined']}",
-                                 f"--ckpt=lookup={paths['sequential']}", "--batch-sizes", "1,4",
+                                 f"--ckpt=lookup={paths['sequential']}",
+                                 f"--ckpt=lookup(draft_tokens=1)={paths['sequential']}",
+                                 "--batch-sizes", "1,4",
                                  "--single-examples", "3", "--repeats", "1", "--precision", "bf16",
                                  "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["device"] == "cpu" and "not GPU figures" in result["note"]
-    names = ["sequential", "pipelined", "lookup", "transformers generate"]
+    names = ["sequential", "pipelined", "lookup", "lookup(draft_tokens=1)", "transformers generate"]
     assert [(r["decoder"], r["batch_size"], r["examples"]) for r in result["rows"]] == [
         *((name, 1, 3) for name in names), *((name, 4, 8) for name in names)]
     # reported, not assumed: under bf16 the two code paths round differently, and a near tie of a
@@ -140,6 +170,10 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     lookup = {r["batch_size"]: r for r in result["rows"] if r["decoder"] == "lookup"}
     sequential = {r["batch_size"]: r for r in result["rows"] if r["decoder"] == "sequential"}
     assert lookup[4]["quality"] == sequential[4]["quality"]   # lookup is exact
+    # a row named with settings decodes with them
+    one_token = {r["batch_size"]: r for r in result["rows"] if r["decoder"] == "lookup(draft_tokens=1)"}
+    assert one_token[4]["quality"] == sequential[4]["quality"]
+    assert restored("lookup(draft_tokens=1)", paths["sequential"])[1].module.decoder.draft_tokens == 1
     # a one-epoch tiny model learns nothing: judged against the baselines, no speedup is offered
     assert {b["baseline"] for b in result["baselines"]} == {"constant", "frequent"}
     for row in result["rows"]:

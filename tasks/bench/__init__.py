@@ -16,6 +16,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from decoders import SpecialTokens, available, build_decoder, decoder_class
 from decoders.aggressive import AggressiveDecoder
 from tasks.runs.restore import restore_with_decoder
+from tasks.comparison.plan import row_settings
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"
@@ -97,5 +98,8 @@ def counted_decodes(model, input_ids, attention_mask, steps: int,
 def restored(name: str, path: str, drafter: str | None = None):
     """(configuration, `Built`) of the checkpoint at `path`, decoded by decoder `name` where `name`
     is a registered decoder (one of the trained layout; else by the decoder it was trained with),
-    drafting with the checkpoint `drafter` where that decoder drafts with another model."""
-    return restore_with_decoder(path, name if name in available() else None, drafter)
+    drafting with the checkpoint `drafter` where that decoder drafts with another model. `name`
+    may carry decode-time settings as a comparison's row labels show them
+    (`aggressive(redraft=outgrown)`, `row_settings`)."""
+    decoder, settings = row_settings(name)
+    return restore_with_decoder(path, decoder if decoder in available() else None, drafter, settings)

@@ -11,8 +11,9 @@ checkpoints written by tasks.fit: each is decoded on its own test split (the sam
 as long as they were trained on the same data), at every batch size, the decoders interleaved and
 the median of `--repeats` passes taken after a warm-up. A row named after a registered decoder
 decodes its checkpoint with that decoder (one of the trained layout: `lookup=S` decodes the
-sequential checkpoint S with lookup drafts); a decoder that drafts with another model (aggressive)
-drafts with the nar checkpoint `--drafter`. When the first checkpoint is decoded sequentially,
+sequential checkpoint S with lookup drafts), with the decode-time settings its name carries, written
+as a comparison's row labels write them (`lookup(draft_tokens=1)=S`); a decoder that drafts with
+another model (aggressive) drafts with the nar checkpoint `--drafter`. When the first checkpoint is decoded sequentially,
 transformers' own greedy `generate` on the same backbone is timed beside it, and whether the two
 give the same tokens is reported.
 
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ckpt", action="append", required=True, metavar="NAME=PATH",
                         help="a checkpoint written by tasks.fit, under a row name (repeat; the "
                              "first is the speedup's reference); a registered decoder's name "
-                             "decodes it with that decoder")
+                             "decodes it with that decoder, NAME(OPTION=VALUE,...) with those "
+                             "decode-time settings")
     parser.add_argument("--drafter", default=None, metavar="NAR_CKPT",
                         help="the nar checkpoint a drafting decoder's row (aggressive) drafts with")
     parser.add_argument("--batch-sizes", default="1,64")

@@ -46,6 +46,20 @@ def row_label(cfg: DictConfig, swept: list[str]) -> str:
     return f"{cfg.decoder.name}({settings})" if settings else cfg.decoder.name
 
 
+def row_settings(label: str) -> tuple[str, list[str]]:
+    """`row_label`'s inverse: `nar(iterations=2,length_candidates=3)` -> ("nar",
+    ["decoder.iterations=2", "decoder.length_candidates=3"]) (configuration overrides, checked
+    where they are applied); a plain name -> (name, [])."""
+    name, _, settings = label.partition("(")
+    if settings and not settings.endswith(")"):
+        raise ConfigError(f"{label!r}: expected NAME or NAME(OPTION=VALUE,...), e.g. "
+                          f"aggressive(redraft=outgrown)")
+    pairs = [item for item in settings[:-1].split(",") if item]
+    if any("=" not in pair for pair in pairs):
+        raise ConfigError(f"{label!r}: each setting is OPTION=VALUE, e.g. aggressive(redraft=outgrown)")
+    return name, [f"decoder.{pair.strip()}" for pair in pairs]
+
+
 def parse_decoders(text: str) -> list[str]:
     """`--decoders a,b,c` -> names; an unknown name fails here, listing the registered ones, and so
     does a name given twice."""
@@ -76,10 +90,14 @@ def parse_sweeps(items: list[str]) -> dict[str, list[str]]:
 
 
 def parse_checkpoints(items: list[str], names: list[str] | None = None) -> dict[str, str]:
-    """`--ckpt NAME=PATH` items -> {NAME: PATH}, each NAME once (and one of `names`, if given)."""
+    """`--ckpt NAME=PATH` items -> {NAME: PATH}, each NAME once (and one of `names`, if given). A
+    NAME may carry decoder settings as `row_label` writes them, `aggressive(redraft=outgrown)`: the
+    `=` inside its parentheses is not the one before the path."""
     checkpoints: dict[str, str] = {}
     for item in items:
-        name, equals, path = item.partition("=")
+        settings_end = item.find(")") + 1 if item.find("(") < item.find("=") else 0
+        name, equals, path = item[settings_end:].partition("=")
+        name = item[:settings_end] + name
         if not equals or not name or not path or (names is not None and name not in names):
             among = f" with NAME one of --decoders ({', '.join(names)})" if names else ""
             example = names[0] if names else "pipelined"

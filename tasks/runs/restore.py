@@ -91,14 +91,17 @@ def restore_as_trained(path: str):
     return restore_with_decoder(path)[1]
 
 
-def restore_with_decoder(path: str, decoder: str | None = None, drafter: str | None = None):
+def restore_with_decoder(path: str, decoder: str | None = None, drafter: str | None = None,
+                         settings: list[str] | None = None):
     """(configuration, `restore`'s result) of the checkpoint at `path`, decoded by `decoder` (one
     of the trained layout; None: the decoder it was trained with), drafting with the checkpoint
-    `drafter` where that decoder drafts with another model."""
+    `drafter` where that decoder drafts with another model, with the decode-time `settings`
+    (`decoder.OPTION=VALUE` overrides)."""
     checkpoint = load_checkpoint(path)
     overrides = [] if decoder is None else [f"decoder={decoder}"]
     if drafter is not None and decoder is not None and decoder_class(decoder).drafts_with:
         overrides.append(f"decoder.drafter={drafter}")
+    overrides += settings or []
     cfg = checkpoint_config(checkpoint, path, overrides)
     return cfg, restore(checkpoint, path, cfg)
 
