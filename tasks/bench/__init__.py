@@ -15,8 +15,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, available, build_decoder, decoder_class
 from decoders.aggressive import AggressiveDecoder
-from tasks.runs.restore import restore_with_decoder
 from tasks.comparison.plan import row_settings
+from tasks.runs.restore import restore_with_decoder
 
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
 GENERATE = "transformers generate"

@@ -13,9 +13,9 @@ the median of `--repeats` passes taken after a warm-up. A row named after a regi
 decodes its checkpoint with that decoder (one of the trained layout: `lookup=S` decodes the
 sequential checkpoint S with lookup drafts), with the decode-time settings its name carries, written
 as a comparison's row labels write them (`lookup(draft_tokens=1)=S`); a decoder that drafts with
-another model (aggressive) drafts with the nar checkpoint `--drafter`. When the first checkpoint is decoded sequentially,
-transformers' own greedy `generate` on the same backbone is timed beside it, and whether the two
-give the same tokens is reported.
+another model (aggressive) drafts with the nar checkpoint `--drafter`. When the first checkpoint is
+decoded sequentially, transformers' own greedy `generate` on the same backbone is timed beside it,
+and whether the two give the same tokens is reported.
 
 Every row is scored on the examples it decoded (the task's metrics, as tasks.test scores) and
 judged against the task's baselines on the same examples, as tasks.compare judges its rows: a row whose model did not learn (not above the best baseline, or most outputs cut by a
