@@ -14,6 +14,7 @@ from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequenti
                                    parse_checkpoints, parse_decoders, plan, row_label, row_settings,
                                    training_label, user_sets)
 from tasks.comparison import report
+from tasks.comparison.measure import interleaved_passes
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.cli import command_line
 from tasks.config import ConfigError, compose
@@ -120,6 +121,27 @@ def test_a_row_name_carries_decoder_settings_as_row_labels_write_them():
         row_settings("lookup(draft_tokens=1")
     with pytest.raises(ConfigError, match=r"'lookup\(draft_tokens\)': each setting is OPTION=VALUE"):
         row_settings("lookup(draft_tokens)")
+
+
+def test_timed_rows_take_turns_on_each_batch_in_a_rotating_order():
+    calls = []
+
+    def timer(key):
+        def measure(batch):
+            calls.append((key, batch["id"]))
+            return (key, batch["id"], len(calls))
+        return measure
+    batches = [{"id": i} for i in range(4)]
+    passes = []
+    results = interleaved_passes({key: timer(key) for key in "abc"}, batches, 2,
+                                 on_pass=lambda: passes.append(len(calls)))
+    # each batch is decoded by every row before the next, the first row moving on by one each batch
+    first_pass = [key + str(i) for key, i in calls[:12]]
+    assert first_pass == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
+    assert calls[12:] == calls[:12] and passes == [12, 24]
+    # per row: one list per pass, one result per batch, in batch order
+    assert [[(k, i) for k, i, _ in run] for run in results["b"]] == [[("b", i) for i in range(4)]] * 2
+    assert [[n for *_, n in run] for run in results["a"]] == [[1, 6, 8, 10], [13, 18, 20, 22]]
 
 
 def test_a_recorded_command_runs_as_written():

@@ -7,7 +7,9 @@ import ctypes
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from lightning.pytorch.utilities import move_data_to_device
@@ -106,6 +108,30 @@ def device_batches(datamodule, examples: list, batch_size: int, device) -> list[
             for i in range(0, len(examples), batch_size)]
 
 
+def interleaved_passes(timers: dict, batches: list[dict], repeats: int,
+                       on_pass: Callable[[], None] = lambda: None) -> dict[object, list[list]]:
+    """`repeats` passes over `batches`, each batch decoded by every timer (key -> a function of a
+    batch, returning what it measured) in turn before the next batch, the order rotating from batch
+    to batch. Returns, per key, each pass's results, batch by batch.
+
+    Why batch by batch: a shared CPU's speed drifts and jumps over seconds, as long as a whole pass
+    of one decoder takes, so rows timed one whole pass after another see different machines (ratios
+    of one pass spread 0.6x to 1.6x here); rows taking turns on each batch see the same one, and
+    their ratios agree within a few percent. The rotation gives no row a fixed place after another."""
+    keys = list(timers)
+    results: dict[object, list[list]] = {key: [] for key in keys}
+    for _ in range(repeats):
+        current: dict[object, list] = {key: [] for key in keys}
+        for index, batch in enumerate(batches):
+            turn = index % len(keys)
+            for key in keys[turn:] + keys[:turn]:
+                current[key].append(timers[key](batch))
+        for key in keys:
+            results[key].append(current[key])
+        on_pass()
+    return results
+
+
 def time_row(row: Row, batch: dict) -> float:
     module = row.module
     return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
@@ -125,19 +151,16 @@ def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeat
     batches = device_batches(datamodule, examples, batch_size, device)
     for row in rows:
         target.place(row.module)
-    single_runs = {id(r): [] for r in rows}
-    batch_runs = {id(r): [] for r in rows}
     with flushed_denormals(device) as flushed, torch.inference_mode(), target.context():
         for row in rows:
             for batch in singles[:3] + batches[:1]:
                 time_row(row, batch)
         timed_on = str(next(rows[0].module.parameters()).device)
-        with tqdm(total=repeats * len(rows), desc="timing decoders") as bar:
-            for _ in range(repeats):
-                for row in rows:
-                    single_runs[id(row)].append([time_row(row, b) for b in singles])
-                    batch_runs[id(row)].append(sum(time_row(row, b) for b in batches))
-                    bar.update()
+        timers = {id(row): partial(time_row, row) for row in rows}
+        with tqdm(total=2 * repeats, desc="timing decoders (passes)") as bar:
+            single_runs = interleaved_passes(timers, singles, repeats, bar.update)
+            batch_runs = {key: [sum(run) for run in runs] for key, runs in
+                          interleaved_passes(timers, batches, repeats, bar.update).items()}
         for row in rows:
             runs = single_runs[id(row)]
             row.latencies = [statistics.median(times) for times in zip(*runs)]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from decoders.backbone import new_cache
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output
-from tasks.comparison.measure import PeakMemory
+from tasks.comparison.measure import PeakMemory, interleaved_passes
 
 PRECISIONS = ("fp32", "bf16")
 CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
@@ -114,16 +115,15 @@ def time_decoders(modules: dict, batches: list[dict], device: torch.device, prec
                   repeats: int) -> dict[str, Timing]:
     """Every module of `modules` (name -> an object with `.decoder` and `.backbone`) timed on the
     same `batches` (already on `device`): a warm-up decode each, then `repeats` passes, the modules
-    interleaved within each pass so that slow drifts of the machine touch all of them alike."""
+    taking turns on each batch (`interleaved_passes`) so that the machine's drifts touch all of
+    them alike."""
     for module in modules.values():
         timed(module.decoder, module.backbone, batches[0], device, precision)
-    seconds: dict[str, list[float]] = {name: [] for name in modules}
-    outputs: dict[str, list[DecodeOutput]] = {}
-    for _ in range(repeats):
-        for name, module in modules.items():
-            runs = [timed(module.decoder, module.backbone, b, device, precision) for b in batches]
-            seconds[name].append(sum(s for _, s in runs))
-            outputs[name] = [out for out, _ in runs]
+    timers = {name: partial(timed, module.decoder, module.backbone, device=device, precision=precision)
+              for name, module in modules.items()}
+    passes = interleaved_passes(timers, batches, repeats)
+    seconds = {name: [sum(s for _, s in runs) for runs in passes[name]] for name in modules}
+    outputs = {name: [out for out, _ in passes[name][-1]] for name in modules}
     examples = sum(b["input_ids"].size(0) for b in batches)
     timings = {}
     for name, module in modules.items():
