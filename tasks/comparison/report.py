@@ -256,9 +256,9 @@ def markdown(result: dict) -> str:
     passes = max((len(r.get(f"{key}_passes") or []) for r in result["rows"] for key in SPEEDUPS),
                  default=0)
     if passes > 1:
-        notes.append(f"- speedup: the median over {passes} timing passes, each timing every row "
-                     f"in turn, of the row's speed over sequential's in the same pass; in brackets "
-                     f"the lowest and the highest pass")
+        notes.append(f"- speedup: the median over {passes} timing passes, in each of which the rows "
+                     f"take turns on every batch, of the row's speed over sequential's in the same "
+                     f"pass; in brackets the lowest and the highest pass")
     notes += [f"- {r['label']} (not learned): {r['not_learned']}; its speed is not a decoder's, so "
               f"no speedup is given" for r in result["rows"] if r.get("not_learned")]
     if any(r["decoder"] == "sequential" and r.get("not_learned") for r in result["rows"]):
