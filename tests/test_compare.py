@@ -114,8 +114,9 @@ def test_a_row_name_carries_decoder_settings_as_row_labels_write_them():
     cfg = plan("keyphrase", ["nar"], None, [], {"decoder.iterations": ["2"]})[0][0]
     assert row_settings(row_label(cfg, ["iterations"])) == ("nar", ["decoder.iterations=2"])
     # the `=` inside the settings is not the one before the path, nor one inside the path
-    assert parse_checkpoints(["aggressive(redraft=outgrown)=runs/a=b.ckpt", "lookup=x(1).ckpt"]) == {
-        "aggressive(redraft=outgrown)": "runs/a=b.ckpt", "lookup": "x(1).ckpt"}
+    assert parse_checkpoints(["aggressive(redraft=outgrown)=runs/a=b.ckpt", "lookup=x(1).ckpt",
+                              "sequential=y).ckpt"]) == {
+        "aggressive(redraft=outgrown)": "runs/a=b.ckpt", "lookup": "x(1).ckpt", "sequential": "y).ckpt"}
     with pytest.raises(ConfigError, match=r"'lookup\(draft_tokens=1': expected NAME or "
                                           r"NAME\(OPTION=VALUE,...\)"):
         row_settings("lookup(draft_tokens=1")

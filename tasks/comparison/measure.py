@@ -115,9 +115,10 @@ def interleaved_passes(timers: dict, batches: list[dict], repeats: int,
     to batch. Returns, per key, each pass's results, batch by batch.
 
     Why batch by batch: a shared CPU's speed drifts and jumps over seconds, as long as a whole pass
-    of one decoder takes, so rows timed one whole pass after another see different machines (ratios
-    of one pass spread 0.6x to 1.6x here); rows taking turns on each batch see the same one, and
-    their ratios agree within a few percent. The rotation gives no row a fixed place after another."""
+    of one decoder takes, so rows timed one whole pass after another see different machines (on a
+    2-core machine the ratios of one pass spread 0.6x to 1.6x); rows taking turns on each batch see
+    the same one, and their ratios agree within a few percent. The rotation gives no row a fixed
+    place after another."""
     keys = list(timers)
     results: dict[object, list[list]] = {key: [] for key in keys}
     for _ in range(repeats):

@@ -95,7 +95,8 @@ def parse_checkpoints(items: list[str], names: list[str] | None = None) -> dict[
     `=` inside its parentheses is not the one before the path."""
     checkpoints: dict[str, str] = {}
     for item in items:
-        settings_end = item.find(")") + 1 if item.find("(") < item.find("=") else 0
+        opening = item.find("(")
+        settings_end = item.find(")", opening) + 1 if 0 <= opening < item.find("=") else 0
         name, equals, path = item[settings_end:].partition("=")
         name = item[:settings_end] + name
         if not equals or not name or not path or (names is not None and name not in names):
