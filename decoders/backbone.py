@@ -4,7 +4,8 @@ model run with its weights detached."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+import weakref
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 from torch import nn
@@ -86,11 +87,54 @@ def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Te
 
 
 def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) -> torch.Tensor:
-    """(longest + 1, heads) T5 decoder bias of past distances 0..longest. Computed once per
-    `generate` (T5's bucketing takes logarithms), so that each decoder call only gathers from it:
-    `table[distance].permute(0, 3, 1, 2)` is `relative_position_bias(model, distance)`."""
-    distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
-    return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
+    """(longest + 1, heads) T5 decoder bias of past distances 0..longest, so that each decoder call
+    only gathers from it: `table[distance].permute(0, 3, 1, 2)` is
+    `relative_position_bias(model, distance)`. T5's bucketing takes logarithms: while decoding it
+    is made once per weights (`made_from_bias_weight`), not once per decode."""
+    def table() -> torch.Tensor:
+        distance = torch.arange(longest + 1, device=model.device)[None, :, None]   # (1, D, 1)
+        return relative_position_bias(model, distance)[0, :, :, 0].T                # (D, heads)
+    return made_from_bias_weight(model, ("past distances", longest), table)
+
+
+def made_from_bias_weight(model: T5ForConditionalGeneration, key: Hashable, make: Callable[[], Any]):
+    """`make()`, a table made from the decoder's relative-position bias weight and named by `key`:
+    where no gradient is recorded (decoding), made once while that weight keeps its values and kept
+    with it, so that a decode reads the tables of the decodes before it; read them, never write
+    them. Elsewhere (training: a graph must not outlive its step) made on every call."""
+    if torch.is_grad_enabled():
+        return make()
+    bias = bias_owner(model.decoder).relative_attention_bias        # nn.Embedding (buckets, heads)
+    weights = WeightState.of(bias.weight)
+    made = WEIGHT_TABLES.get(bias)
+    if made is None or made.weights != weights or len(made.tables) >= MOST_TABLES:
+        made = WEIGHT_TABLES[bias] = MadeTables(weights, {})
+    if key not in made.tables:
+        made.tables[key] = make()
+    return made.tables[key]
+
+
+class WeightState(NamedTuple):
+    """Which values a weight holds: its storage and its count of in-place writes (an optimizer
+    step, `load_state_dict` and `.to()` each change one of them)."""
+
+    data: int
+    writes: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "WeightState":
+        return cls(weight.data_ptr(), weight._version)
+
+
+class MadeTables(NamedTuple):
+    weights: WeightState         # the bias weight's state they were made from
+    tables: dict[Hashable, Any]  # by key
+
+
+# Per decoder bias embedding (dropped with it): the tables made from its weight's current values,
+# at most MOST_TABLES of them (a decoder whose tables' sizes follow its batches makes many).
+WEIGHT_TABLES: "weakref.WeakKeyDictionary[nn.Embedding, MadeTables]" = weakref.WeakKeyDictionary()
+MOST_TABLES = 64
 
 
 class HeadTable(NamedTuple):

@@ -65,8 +65,8 @@ from typing import ClassVar, Generic, NamedTuple, TypeVar
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from decoders.backbone import (cross_attention_mask, encode, HeadTable, output_logits,
-                               past_distance_bias_table)
+from decoders.backbone import (cross_attention_mask, encode, HeadTable, made_from_bias_weight,
+                               output_logits, past_distance_bias_table)
 from datamodules.vocabulary import Choice, Range
 from decoders.base import Decoder, Option
 from decoders.loop import NOT_PRODUCED, LiveRows, flat_decode_output, read_back, send
@@ -277,8 +277,11 @@ class Draft:
     """A drafter's guesses for the next call of its rows."""
 
     tokens: torch.Tensor | None   # (live, m) draft tokens, those past a row's offer filler; None
-                                  # where no row offers any
+                                  # where no row offers any, or where they are `on_host`
     offered: list[int] | None     # host: how many of them each row offers; None: all m
+    # host: each row's offered tokens, where the drafter made them there (lookup) and not `tokens`:
+    # the loop sends only the columns a call feeds, and checks a probe on the host
+    on_host: list[list[int]] | None = None
 
 
 @dataclass
@@ -383,8 +386,11 @@ class Rows:
     offers: list[int]             # host: the draft tokens each row feeds (0 at the first call)
     lengths: list[int] | None     # host: each row's adaptive draft length; None: fixed
     probes: list[bool]            # host: the rows that probe (`fed_offers`)
-    # (live,) each row's draft's first token, where some row probes (None elsewhere)
+    # (live,) each row's draft's first token, where some row probes a draft made on the device
+    # (None elsewhere)
     probe_tokens: torch.Tensor | None = None
+    # host: the same, where some row probes a draft made on the host (None elsewhere)
+    probe_host: list[int] | None = None
     # (live,) `offers` on the device, where some row offers fewer than Q - 1 (None: none does)
     offered: torch.Tensor | None = None
     # (N,) the flat indices (row * Q + fed index) of the fed positions whose next token counts, a
@@ -405,15 +411,18 @@ class CallTables(NamedTuple):
 
 
 def bias_tables(model, bound: int, k: int, device: torch.device) -> tuple[HeadTable, "CallTablesByWidth"]:
-    """T5's bias of every distance a call can meet, made once per decode (each call only gathers
-    from it, or slices it), and per number of fed tokens Q (1 .. k) the call's `CallTables`, made
-    at the first call of that width. Query positions reach bound + k - 2; a slot in a query's
-    future (a negative distance, down to -(bound + k)) reads a hidden entry, the dtype's lowest."""
-    far = bound + k
-    past = past_distance_bias_table(model, far)                     # (far + 1, heads): 0..far
-    hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
-    table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
-    return table, CallTablesByWidth(table, bound, call_index_tables(k, far, device))
+    """T5's bias of every distance a call can meet (each call only gathers from it, or slices it),
+    and per number of fed tokens Q (1 .. k) the call's `CallTables`, made at the first call of that
+    width; both made once per weights while decoding (`made_from_bias_weight`). Query positions
+    reach bound + k - 2; a slot in a query's future (a negative distance, down to -(bound + k))
+    reads a hidden entry, the dtype's lowest."""
+    def make() -> tuple[HeadTable, CallTablesByWidth]:
+        far = bound + k
+        past = past_distance_bias_table(model, far)                     # (far + 1, heads): 0..far
+        hidden_slots = past.new_full((far, past.size(1)), torch.finfo(past.dtype).min)
+        table = HeadTable.of(torch.cat([hidden_slots, past]).T, origin=far)   # distance -far..far
+        return table, CallTablesByWidth(table, bound, call_index_tables(k, far, device))
+    return made_from_bias_weight(model, ("verify calls", bound, k, device), make)
 
 
 class CallTablesByWidth(dict):
@@ -577,8 +586,8 @@ class VerifyLoop:
         else:   # the one token a row produced is its newest: its first end where it is the end token
             eos = drafter.special.eos
             accepted_host, first_end_host = [0] * len(next_host), [int(token != eos) for token in next_host]
-        if rows.probe_tokens is not None:
-            probe_host = rest.pop(0)
+        probe_host = rest.pop(0) if rows.probe_tokens is not None else rows.probe_host
+        if probe_host is not None:
             probes = [token == next_token if probing else None
                       for token, next_token, probing in zip(probe_host, next_host, rows.probes)]
         else:
@@ -652,7 +661,10 @@ class VerifyLoop:
         offers = draft.offered if draft.offered is not None else [self.width] * live
         rows.offers, rows.probes = fed_offers(offers, rows.lengths,
                                               self.tally is None or self.tally.reached())
-        rows.probe_tokens = draft.tokens[:, 0] if any(rows.probes) else None
+        probing = any(rows.probes)
+        rows.probe_tokens = draft.tokens[:, 0] if probing and draft.on_host is None else None
+        rows.probe_host = ([tokens[0] if tokens else NOT_PRODUCED for tokens in draft.on_host]
+                           if probing and draft.on_host is not None else None)
         # where rows offer different numbers of tokens, which positions count, and the offers on the
         # device for the acceptance
         rows.counted = counted_positions(rows.offers, next_token.device)
@@ -661,7 +673,12 @@ class VerifyLoop:
         if widest == 0:
             rows.fed, rows.draft = next_token, None
             return
-        rows.draft = draft.tokens if draft.tokens.size(1) == widest else draft.tokens[:, :widest]
+        if draft.on_host is not None:   # only the fed columns, past a row's offer filler
+            filler = self.drafter.special.pad
+            rows.draft = send([tokens[:widest] + [filler] * (widest - len(tokens[:widest]))
+                               for tokens in draft.on_host], next_token.device)
+        else:
+            rows.draft = draft.tokens if draft.tokens.size(1) == widest else draft.tokens[:, :widest]
         rows.fed = torch.cat([next_token, rows.draft], dim=1)                    # (live, 1 + widest)
 
     def output(self):

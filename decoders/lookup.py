@@ -23,8 +23,9 @@ Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draf
     tokens past a row's offered ones are never accepted), keep the longest prefix of the draft on
     which the model's argmax agrees, then the model's own next token: 1 .. offered + 1 tokens per
     call, and the output is exactly greedy decoding of the model. Batching, the cache and host
-    syncs: drafts.py; the source is read to the host once per decode, and a call's drafts go to the
-    device in one copy, only when some row has one.
+    syncs: drafts.py; the source is read to the host once per decode, and drafts stay on the host
+    (`Draft.on_host`): a call's fed columns go to the device in one copy, only when some row feeds a
+    draft, and a draft that is only probed is checked there.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
-from decoders.loop import NOT_PRODUCED, read_back, send
+from decoders.loop import NOT_PRODUCED, read_back
 from decoders.sequential import SequentialDecoder
 
 
@@ -106,9 +107,4 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         for row, (example, token) in enumerate(zip(host["example"], host["next_token"])):
             start = state.continuations[example].get((*(tokens[row] for tokens in earlier), token))
             drafts.append([] if start is None else state.sources[example][start: start + m])
-        offered = [len(tokens) for tokens in drafts]
-        if not any(offered):
-            return Draft(None, offered)
-        filler = self.special.pad   # past a row's offer: never accepted
-        rows = [tokens + [filler] * (m - len(tokens)) for tokens in drafts]
-        return Draft(send(rows, verified.count.device), offered)   # (live, m)
+        return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from decoders.backbone import (encode, hidden_mask, new_cache, relative_position_bias,
-                               run_decoder, sdpa_aligned)
+from decoders.backbone import (encode, hidden_mask, new_cache, past_distance_bias_table,
+                               relative_position_bias, run_decoder, sdpa_aligned)
 from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
@@ -118,3 +118,31 @@ def test_a_bias_sliced_at_any_column_is_handed_to_sdpa_aligned(dtype):
     assert sdpa_aligned(fresh) is fresh
     one_query = torch.randn(1, 4, 1, 40).to(dtype)[..., 8:]        # 8 columns in: 16 or 32 bytes
     assert sdpa_aligned(one_query) is one_query
+
+
+def test_the_past_distance_table_is_made_once_per_weights_and_follows_their_changes():
+    """While decoding, the table of past distances is made once per weights and then read (the same
+    tensor); it equals a fresh computation, follows an optimizer step and a reload of the weights,
+    and under recorded gradients is made anew each time, with the graph to the bias weight."""
+    model = tiny_t5(0)
+    distance = torch.arange(12)[None, :, None]
+
+    def fresh() -> torch.Tensor:
+        return relative_position_bias(model, distance)[0, :, :, 0].T
+
+    with torch.no_grad():
+        table = past_distance_bias_table(model, 11)
+        assert past_distance_bias_table(model, 11) is table
+        torch.testing.assert_close(table, fresh(), rtol=0, atol=0)
+    weight = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    past_distance_bias_table(model, 11).sum().backward()   # recorded: a graph to the weight
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+    optimizer.step()
+    with torch.no_grad():
+        stepped = past_distance_bias_table(model, 11)
+        assert not torch.equal(stepped, table)
+        torch.testing.assert_close(stepped, fresh(), rtol=0, atol=0)
+        model.load_state_dict({name: value * 2 for name, value in model.state_dict().items()})
+        torch.testing.assert_close(past_distance_bias_table(model, 11), fresh(), rtol=0, atol=0)
+        assert not torch.equal(past_distance_bias_table(model, 11), stepped)

@@ -135,7 +135,8 @@ def test_a_call_narrowed_to_half_its_rows_offers_decodes_greedily(name, monkeypa
 class KnowingDrafter(DraftAndVerifyDecoder):
     """A drafter that knows each example's greedy output: its drafts are that output's next tokens
     while a row has produced fewer than `right_until` tokens, and wrong ones after, so that a test
-    decides which drafts pass."""
+    decides which drafts pass. With `on_host`, its drafts stay on the host (`Draft.on_host`), as
+    lookup's do."""
 
     layout_family = SequentialDecoder.layout_family
     trains_nothing = True
@@ -144,9 +145,10 @@ class KnowingDrafter(DraftAndVerifyDecoder):
                "min_acceptance": MIN_ACCEPTANCE}
     draft_width = 2
 
-    def __init__(self, *args, outputs: list[list[int]], right_until: int, **options):
+    def __init__(self, *args, outputs: list[list[int]], right_until: int, on_host: bool = False,
+                 **options):
         super().__init__(*args, **options)
-        self.outputs, self.right_until = outputs, right_until
+        self.outputs, self.right_until, self.on_host = outputs, right_until, on_host
 
     def host_values(self, state, verified):
         return {"count": verified.count.view(-1)}
@@ -157,13 +159,17 @@ class KnowingDrafter(DraftAndVerifyDecoder):
             right = self.outputs[example][count: count + self.draft_width]
             right += [SPECIAL.pad] * (self.draft_width - len(right))
             drafts.append(right if count < self.right_until else [(token + 1) % vocab for token in right])
+        if self.on_host:
+            return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)
         return Draft(send(drafts, verified.count.device), offered=None)
 
 
-def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch):
+@pytest.mark.parametrize("on_host", [False, True])
+def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
     """With min_acceptance, a decode probes its first drafts, feeds them once they have passed,
     and stops feeding once too few have (its rows probe them instead); the output stays greedy.
-    (Under the adaptive length too: `fed_offers` feeds nothing then.)"""
+    (Under the adaptive length too: `fed_offers` feeds nothing then.) Drafts made on the device
+    are probed there, drafts kept on the host are probed on the host."""
     model = tiny_t5(0)
     feeding: list[bool] = []   # per call after the first: whether it could feed drafts
     fed: list[int] = []        # draft tokens fed, per such call
@@ -181,7 +187,7 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch):
     input_ids, attention_mask = first_batch_where(long_outputs, 3, seed=120)
     outputs = greedy_outputs(model, input_ids, attention_mask, BOUND)
     decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs,
-                             right_until=6, min_acceptance=0.5).eval()
+                             right_until=6, min_acceptance=0.5, on_host=on_host).eval()
     gated = assert_greedy(decoder, model, input_ids, attention_mask)
     began = feeding.index(True)
     stop = feeding.index(False, began)
