@@ -35,12 +35,15 @@ another row's drafts pass; and a call feeds no wider a draft than half its rows 
 (`call_width`), so that one row's long draft does not widen the call for all (`fed_offers`). The
 schedule runs on the host, from the values the call's sync reads.
 
-Whether drafts are fed at all (`min_acceptance`): a draft column costs every row of a call, so drafts
-pay only where they are accepted often enough. The loop tallies, over the decode so far, how many
-rows' drafts had their first token accepted (`FirstTokenTally`: fed drafts and probed ones alike),
-and while that share is below `min_acceptance` a call feeds no draft and every row that offers one
-probes it instead, so that the tally goes on at no cost and feeding resumes when drafts pass again;
-a decode's first drafts are probed, not fed. At 0 (the default) every call feeds its drafts.
+Whether a call feeds drafts at all (`min_acceptance`): a draft column costs every row of a call, the
+rows that offer no draft too, so drafts pay only where enough of the call's rows get a token from
+them. The loop tallies, over the decode so far, how many rows' drafts had their first token accepted
+(`FirstTokenTally`: fed drafts and probed ones alike). A call's drafts are expected to get that
+share of its offering rows' first tokens accepted; where that is below `min_acceptance` per row of
+the call (at batch size 1: while the share is below it), the call feeds no draft and every row that
+offers one probes it instead, so that the tally goes on at no cost and feeding resumes when drafts
+pass again; a decode's first drafts are probed, not fed. At 0 (the default) every call feeds its
+drafts.
 
 Cache (`RowSlotLayer`). Every row's self-attention keys and values sit at slot = position. A call
 writes its fed tokens at their own positions; a rejected draft token's slot lies at or past the
@@ -98,20 +101,21 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 
 
-# The share of drafts whose first token the model accepts, over a decode so far, below which a call
-# feeds no draft (the decoders' option `min_acceptance`, `FirstTokenTally`); 0: every call feeds.
+# The first draft tokens a call's drafts are expected to get accepted, per row of the call, below
+# which it feeds no draft (the decoders' option `min_acceptance`, `FirstTokenTally.reached`; at batch
+# size 1: the share of the decode's drafts accepted at their first token); 0: every call feeds.
 MIN_ACCEPTANCE = Option(0.0, Range(ge=0, le=1, integer=False,
-                                   note="share of drafts accepted at their first token"),
+                                   note="first draft tokens expected accepted per row of a call"),
                         decode_only=True)
 
 
 @dataclass
 class FirstTokenTally:
     """Of the drafts a decode's rows offered so far, fed or probed, how many had their first token
-    accepted (host ints), and whether that share reaches `threshold` (`min_acceptance`). The first
-    token is what a probe checks too, so a row's unfed draft counts as its fed one would: the tally
-    goes on while no draft is fed. Before any draft it reaches no threshold: a decode's first
-    drafts are probed, which costs nothing, and fed only once they have shown that they pass."""
+    accepted (host ints), and whether a call's drafts would pay (`reached`). The first token is
+    what a probe checks too, so a row's unfed draft counts as its fed one would: the tally goes on
+    while no draft is fed. Before any draft it reaches no threshold: a decode's first drafts are
+    probed, which costs nothing, and fed only once they have shown that they pass."""
 
     threshold: float
     hits: int = 0
@@ -124,8 +128,12 @@ class FirstTokenTally:
                 self.tries += 1
                 self.hits += bool(taken) if offer else probe
 
-    def reached(self) -> bool:
-        return self.tries > 0 and self.hits >= self.threshold * self.tries
+    def reached(self, offering: int, rows: int) -> bool:
+        """Whether a call of `rows` rows, `offering` of which offer a draft, feeds them: whether the
+        first tokens they are expected to get accepted (the tally's share of `offering`) make up
+        at least `threshold` (`min_acceptance`) per row of the call. Every row of a call computes a
+        fed column, the rows that offer nothing too, so a few offering rows do not pay for it."""
+        return self.tries > 0 and offering * self.hits >= self.threshold * self.tries * rows
 
 
 def next_draft_lengths(lengths: list[int], offers: list[int], accepted: list[int],
@@ -659,8 +667,8 @@ class VerifyLoop:
         (the offers, the probes)."""
         rows, live = self.rows, len(self.rows.counts)
         offers = draft.offered if draft.offered is not None else [self.width] * live
-        rows.offers, rows.probes = fed_offers(offers, rows.lengths,
-                                              self.tally is None or self.tally.reached())
+        feeding = self.tally is None or self.tally.reached(sum(offer > 0 for offer in offers), live)
+        rows.offers, rows.probes = fed_offers(offers, rows.lengths, feeding)
         probing = any(rows.probes)
         rows.probe_tokens = draft.tokens[:, 0] if probing and draft.on_host is None else None
         rows.probe_host = ([tokens[0] if tokens else NOT_PRODUCED for tokens in draft.on_host]

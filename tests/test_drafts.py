@@ -146,9 +146,10 @@ class KnowingDrafter(DraftAndVerifyDecoder):
     draft_width = 2
 
     def __init__(self, *args, outputs: list[list[int]], right_until: int, on_host: bool = False,
-                 **options):
+                 offering: set[int] | None = None, **options):
         super().__init__(*args, **options)
         self.outputs, self.right_until, self.on_host = outputs, right_until, on_host
+        self.offering = offering   # the examples that offer drafts (None: all)
 
     def host_values(self, state, verified):
         return {"count": verified.count.view(-1)}
@@ -159,9 +160,11 @@ class KnowingDrafter(DraftAndVerifyDecoder):
             right = self.outputs[example][count: count + self.draft_width]
             right += [SPECIAL.pad] * (self.draft_width - len(right))
             drafts.append(right if count < self.right_until else [(token + 1) % vocab for token in right])
+        offered = [self.draft_width if self.offering is None or example in self.offering else 0
+                   for example in host["example"]]
         if self.on_host:
-            return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)
-        return Draft(send(drafts, verified.count.device), offered=None)
+            return Draft(None, offered, on_host=[tokens[:n] for tokens, n in zip(drafts, offered)])
+        return Draft(send(drafts, verified.count.device), offered)
 
 
 @pytest.mark.parametrize("on_host", [False, True])
@@ -201,14 +204,43 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
     assert all(feeding) and gated.stats["draft_tokens_offered"] < always.stats["draft_tokens_offered"]
 
 
+@pytest.mark.parametrize("offering,feeds", [({0}, False), ({0, 1}, True)])
+def test_a_call_feeds_drafts_only_where_enough_of_its_rows_offer_one(monkeypatch, offering, feeds):
+    """Every row of a call computes a fed column: with min_acceptance 0.5 and drafts that always
+    pass, a call of 3 rows feeds them where 2 rows offer one (2/3 of a first token expected per
+    row) and never where only 1 does (1/3), which probes its drafts instead; the output stays
+    greedy."""
+    model = tiny_t5(0)
+    fed: list[int] = []
+
+    def recording(offers, lengths, feeds_drafts):
+        feeds, probes = fed_offers(offers, lengths, feeds_drafts)
+        fed.append(sum(feeds))
+        return feeds, probes
+    monkeypatch.setattr(drafts, "fed_offers", recording)
+
+    def long_outputs(input_ids, attention_mask):
+        """every output 12 tokens or longer"""
+        return min(map(len, greedy_outputs(model, input_ids, attention_mask, BOUND))) >= 12
+    input_ids, attention_mask = first_batch_where(long_outputs, 3, seed=120)
+    outputs = greedy_outputs(model, input_ids, attention_mask, BOUND)
+    decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs,
+                             right_until=BOUND, min_acceptance=0.5, offering=offering).eval()
+    out = assert_greedy(decoder, model, input_ids, attention_mask)
+    assert (sum(fed) > 0) == feeds
+    assert (out.stats["draft_tokens_accepted"] > 0) == feeds
+
+
 def test_a_tally_counts_fed_and_probed_drafts_at_their_first_token():
     tally = FirstTokenTally(threshold=0.5)
-    assert not tally.reached()                               # no draft yet: probe first
+    assert not tally.reached(1, 1)                           # no draft yet: probe first
     # fed 2 (1 accepted), fed 3 (0 accepted), offered nothing, probed a right and a wrong token
     tally.add([2, 3, 0, 0, 0], [1, 0, 0, 0, 0], [None, None, None, True, False])
-    assert (tally.hits, tally.tries) == (2, 4) and tally.reached()
+    assert (tally.hits, tally.tries) == (2, 4) and tally.reached(1, 1)
+    # a call where 4 of 5 rows offer expects 4 * 0.5 = 2 first tokens: 0.4 per row, below 0.5
+    assert tally.reached(5, 5) and not tally.reached(4, 5)
     tally.add([1], [0], [None])
-    assert (tally.hits, tally.tries) == (2, 5) and not tally.reached()
+    assert (tally.hits, tally.tries) == (2, 5) and not tally.reached(1, 1)
 
 
 class RepeatingDrafter(DraftAndVerifyDecoder):
