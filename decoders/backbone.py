@@ -105,30 +105,27 @@ def made_from_bias_weight(model: T5ForConditionalGeneration, key: Hashable, make
     if torch.is_grad_enabled():
         return make()
     bias = bias_owner(model.decoder).relative_attention_bias        # nn.Embedding (buckets, heads)
-    weights = WeightState.of(bias.weight)
     made = WEIGHT_TABLES.get(bias)
-    if made is None or made.weights != weights or len(made.tables) >= MOST_TABLES:
-        made = WEIGHT_TABLES[bias] = MadeTables(weights, {})
+    if made is None or not made.made_from(bias.weight) or len(made.tables) >= MOST_TABLES:
+        made = WEIGHT_TABLES[bias] = MadeTables(bias.weight.detach(), bias.weight._version, {})
     if key not in made.tables:
         made.tables[key] = make()
     return made.tables[key]
 
 
-class WeightState(NamedTuple):
-    """Which values a weight holds: its storage and its count of in-place writes (an optimizer
-    step, `load_state_dict` and `.to()` each change one of them)."""
-
-    data: int
-    writes: int
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> "WeightState":
-        return cls(weight.data_ptr(), weight._version)
-
-
 class MadeTables(NamedTuple):
-    weights: WeightState         # the bias weight's state they were made from
+    """Tables made from one bias weight's values."""
+
+    weight: torch.Tensor         # that weight, detached: its storage lives while they do, so no
+                                 # other weight's storage takes its place
+    writes: int                  # its count of in-place writes then (`Tensor._version`)
     tables: dict[Hashable, Any]  # by key
+
+    def made_from(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` holds the values they were made from: the same storage (a weight
+        replaced, as by `.to()`, has another), written in place no more since (as by an optimizer
+        step or `load_state_dict`)."""
+        return weight.data_ptr() == self.weight.data_ptr() and weight._version == self.writes
 
 
 # Per decoder bias embedding (dropped with it): the tables made from its weight's current values,

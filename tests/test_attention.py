@@ -146,3 +146,17 @@ def test_the_past_distance_table_is_made_once_per_weights_and_follows_their_chan
         model.load_state_dict({name: value * 2 for name, value in model.state_dict().items()})
         torch.testing.assert_close(past_distance_bias_table(model, 11), fresh(), rtol=0, atol=0)
         assert not torch.equal(past_distance_bias_table(model, 11), stepped)
+
+
+def test_a_bias_weight_replaced_by_another_gets_tables_of_its_own():
+    """A bias weight whose tensor is replaced (`.to()`, or assigned while loading) by another whose
+    count of in-place writes is the same gets its tables made anew, not the old weight's."""
+    model = tiny_t5(0)
+    bias = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
+    with torch.no_grad():
+        first = bias.weight = torch.nn.Parameter(bias.weight.detach().clone())
+        table = past_distance_bias_table(model, 11)
+        bias.weight = torch.nn.Parameter(first.detach() * 3)
+        assert bias.weight._version == 0 == first._version   # neither written in place
+        renewed = past_distance_bias_table(model, 11)
+        torch.testing.assert_close(renewed, table * 3, rtol=0, atol=0)
