@@ -53,7 +53,7 @@ compacted: a call attends to slots 0 .. max_r(n_r) + m, and the bias (T5's relat
 position - slot, gathered from one table) hides what a row must not see. While every row is at one
 count (always at batch size 1, and at any batch size until drafts are accepted) the call appends its
 tokens after that count, as sequential decoding's cache does, and every row reads one bias, a slice
-of a table made once per decode: no per-row index.
+of a table made once per weights (`bias_tables`): no per-row index.
 
 Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
 per decode (aggressive's drafter: its encoder and its first draft's lengths; lookup: the sources).
@@ -408,7 +408,7 @@ class Rows:
 
 
 class CallTables(NamedTuple):
-    """What a call of Q fed tokens indexes with (`bias_tables`), made once per decode."""
+    """What a call of Q fed tokens indexes with, made once per weights (`bias_tables`)."""
 
     fed_offset: torch.Tensor     # (Q,) each fed token's index: its position is the row's count + it
     based_offsets: torch.Tensor  # (heads, Q, slots) fed index - slot, each head's base added: a
