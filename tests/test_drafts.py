@@ -167,15 +167,11 @@ class KnowingDrafter(DraftAndVerifyDecoder):
         return Draft(send(drafts, verified.count.device), offered)
 
 
-@pytest.mark.parametrize("on_host", [False, True])
-def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
-    """With min_acceptance, a decode probes its first drafts, feeds them once they have passed,
-    and stops feeding once too few have (its rows probe them instead); the output stays greedy.
-    (Under the adaptive length too: `fed_offers` feeds nothing then.) Drafts made on the device
-    are probed there, drafts kept on the host are probed on the host."""
-    model = tiny_t5(0)
-    feeding: list[bool] = []   # per call after the first: whether it could feed drafts
-    fed: list[int] = []        # draft tokens fed, per such call
+def recorded_feeds(monkeypatch) -> tuple[list[bool], list[int]]:
+    """Per call after the first, whether it could feed drafts and how many draft tokens it fed,
+    recorded as the loop asks `fed_offers`."""
+    feeding: list[bool] = []
+    fed: list[int] = []
 
     def recording(offers, lengths, feeds_drafts):
         feeds, probes = fed_offers(offers, lengths, feeds_drafts)
@@ -183,14 +179,31 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
         fed.append(sum(feeds))
         return feeds, probes
     monkeypatch.setattr(drafts, "fed_offers", recording)
+    return feeding, fed
 
+
+def knowing_drafter(model, shortest: int, **options):
+    """A `KnowingDrafter` of `model`, and a batch of 3 whose greedy outputs are all `shortest`
+    tokens or longer: (decoder, input_ids, attention_mask)."""
     def long_outputs(input_ids, attention_mask):
-        """every output 16 tokens or longer"""
-        return min(map(len, greedy_outputs(model, input_ids, attention_mask, BOUND))) >= 16
+        """every greedy output long enough"""
+        return min(map(len, greedy_outputs(model, input_ids, attention_mask, BOUND))) >= shortest
     input_ids, attention_mask = first_batch_where(long_outputs, 3, seed=120)
     outputs = greedy_outputs(model, input_ids, attention_mask, BOUND)
-    decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs,
-                             right_until=6, min_acceptance=0.5, on_host=on_host).eval()
+    decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs, **options)
+    return decoder.eval(), input_ids, attention_mask
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
+    """With min_acceptance, a decode probes its first drafts, feeds them once they have passed,
+    and stops feeding once too few have (its rows probe them instead); the output stays greedy.
+    (Under the adaptive length too: `fed_offers` feeds nothing then.) Drafts made on the device
+    are probed there, drafts kept on the host are probed on the host."""
+    model = tiny_t5(0)
+    feeding, fed = recorded_feeds(monkeypatch)
+    decoder, input_ids, attention_mask = knowing_drafter(model, 16, right_until=6, min_acceptance=0.5,
+                                                         on_host=on_host)
     gated = assert_greedy(decoder, model, input_ids, attention_mask)
     began = feeding.index(True)
     stop = feeding.index(False, began)
@@ -211,21 +224,9 @@ def test_a_call_feeds_drafts_only_where_enough_of_its_rows_offer_one(monkeypatch
     row) and never where only 1 does (1/3), which probes its drafts instead; the output stays
     greedy."""
     model = tiny_t5(0)
-    fed: list[int] = []
-
-    def recording(offers, lengths, feeds_drafts):
-        feeds, probes = fed_offers(offers, lengths, feeds_drafts)
-        fed.append(sum(feeds))
-        return feeds, probes
-    monkeypatch.setattr(drafts, "fed_offers", recording)
-
-    def long_outputs(input_ids, attention_mask):
-        """every output 12 tokens or longer"""
-        return min(map(len, greedy_outputs(model, input_ids, attention_mask, BOUND))) >= 12
-    input_ids, attention_mask = first_batch_where(long_outputs, 3, seed=120)
-    outputs = greedy_outputs(model, input_ids, attention_mask, BOUND)
-    decoder = KnowingDrafter(model.config, SPECIAL, max_new_tokens=BOUND, outputs=outputs,
-                             right_until=BOUND, min_acceptance=0.5, offering=offering).eval()
+    _, fed = recorded_feeds(monkeypatch)
+    decoder, input_ids, attention_mask = knowing_drafter(model, 12, right_until=BOUND,
+                                                         min_acceptance=0.5, offering=offering)
     out = assert_greedy(decoder, model, input_ids, attention_mask)
     assert (sum(fed) > 0) == feeds
     assert (out.stats["draft_tokens_accepted"] > 0) == feeds
