@@ -314,8 +314,8 @@ DECODER_BAD_VALUES = [
        "decoder.draft_length must be one of 'fixed', 'adaptive', got 'sometimes'")
       for name in ("lookup", "blockwise", "aggressive")],
     *[(name, "decoder.min_acceptance=1.5",
-       "decoder.min_acceptance must be a finite number >= 0 and <= 1 (share of drafts accepted at "
-       "their first token), got 1.5")
+       "decoder.min_acceptance must be a finite number >= 0 and <= 1 (first draft tokens expected "
+       "accepted per row of a call), got 1.5")
       for name in ("lookup", "blockwise", "aggressive")],
     ("lookup", "decoder.draft_tokens=0",
      "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),
