@@ -63,8 +63,8 @@ from transformers.cache_utils import EncoderDecoderCache
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
-                               HeadTable, new_cache, output_logits, past_distance_bias_table,
-                               run_decoder)
+                               HeadTable, made_from_bias_weight, new_cache, output_logits,
+                               past_distance_bias_table, run_decoder)
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, send
 
@@ -108,8 +108,9 @@ class Grid(NamedTuple):
 
 def structure_table(distance_bias: torch.Tensor, delay: int, padding_index: int,
                     offsets: int) -> HeadTable:
-    """The self-attention bias of every relative grid position, computed once per forward or
-    `generate` so that each call only gathers from it (`attention_bias`).
+    """The self-attention bias of every relative grid position, computed once per forward, and once
+    per weights for `generate` (`made_from_bias_weight`), so that each call only gathers from it
+    (`attention_bias`).
 
     Index c (c in -reach..reach, reach = padding_index * width + offsets, `grid_width`) holds the
     bias of a key whose `Grid` code is c less than its query's, i.e. di subsequences and dj tokens
@@ -312,9 +313,12 @@ class PipelinedDecoder(Decoder):
         """Lines 1-3: encode the input once; nothing is fed yet."""
         device, batch_size = input_ids.device, input_ids.size(0)
         slots, length = self.max_subsequences, self.max_subsequence_length
-        # real offsets stay below `length`; padding columns have subsequence index `slots` (Grid)
-        table = structure_table(past_distance_bias_table(model, slots + length), self.delay, slots,
-                                length - 1)
+        # real offsets stay below `length`; padding columns have subsequence index `slots` (Grid);
+        # the table depends on the options only, so the decodes after this one read it
+        table = made_from_bias_weight(
+            model, ("pipelined grid", self.delay, slots, length),
+            lambda: structure_table(past_distance_bias_table(model, slots + length), self.delay, slots,
+                                    length - 1))
         width = grid_width(length - 1)
         encoder_states = encode(model, input_ids, attention_mask)
         return Batch(model, self.model_step(), table, width, padding_code=slots * width,
