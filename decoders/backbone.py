@@ -106,9 +106,11 @@ def made_from_bias_weight(model: T5ForConditionalGeneration, key: Hashable, make
         return make()
     bias = bias_owner(model.decoder).relative_attention_bias        # nn.Embedding (buckets, heads)
     made = WEIGHT_TABLES.get(bias)
-    if made is None or not made.made_from(bias.weight) or len(made.tables) >= MOST_TABLES:
+    if made is None or not made.made_from(bias.weight):
         made = WEIGHT_TABLES[bias] = MadeTables(bias.weight.detach(), bias.weight._version, {})
     if key not in made.tables:
+        if len(made.tables) >= MOST_TABLES:
+            made.tables.clear()   # the same dict: a table `make` itself reads lands beside it
         made.tables[key] = make()
     return made.tables[key]
 

@@ -683,7 +683,7 @@ class VerifyLoop:
             return
         if draft.on_host is not None:   # only the fed columns, past a row's offer filler
             filler = self.drafter.special.pad
-            rows.draft = send([tokens[:widest] + [filler] * (widest - len(tokens[:widest]))
+            rows.draft = send([tokens[:widest] + [filler] * (widest - min(len(tokens), widest))
                                for tokens in draft.on_host], next_token.device)
         else:
             rows.draft = draft.tokens if draft.tokens.size(1) == widest else draft.tokens[:, :widest]

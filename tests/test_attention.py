@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from decoders.backbone import (encode, hidden_mask, new_cache, past_distance_bias_table,
-                               relative_position_bias, run_decoder, sdpa_aligned)
-from decoders.transformers_internals import set_attention_implementation
+from decoders.backbone import (MOST_TABLES, WEIGHT_TABLES, encode, hidden_mask, new_cache,
+                               past_distance_bias_table, relative_position_bias, run_decoder,
+                               sdpa_aligned)
+from decoders.drafts import bias_tables
+from decoders.transformers_internals import bias_owner, set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
 
@@ -134,7 +136,7 @@ def test_the_past_distance_table_is_made_once_per_weights_and_follows_their_chan
         table = past_distance_bias_table(model, 11)
         assert past_distance_bias_table(model, 11) is table
         torch.testing.assert_close(table, fresh(), rtol=0, atol=0)
-    weight = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    weight = bias_owner(model.decoder).relative_attention_bias.weight
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     past_distance_bias_table(model, 11).sum().backward()   # recorded: a graph to the weight
     assert weight.grad is not None and weight.grad.abs().sum() > 0
@@ -152,7 +154,7 @@ def test_a_bias_weight_replaced_by_another_gets_tables_of_its_own():
     """A bias weight whose tensor is replaced (`.to()`, or assigned while loading) by another whose
     count of in-place writes is the same gets its tables made anew, not the old weight's."""
     model = tiny_t5(0)
-    bias = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
+    bias = bias_owner(model.decoder).relative_attention_bias
     with torch.no_grad():
         first = bias.weight = torch.nn.Parameter(bias.weight.detach().clone())
         table = past_distance_bias_table(model, 11)
@@ -160,3 +162,18 @@ def test_a_bias_weight_replaced_by_another_gets_tables_of_its_own():
         assert bias.weight._version == 0 == first._version   # neither written in place
         renewed = past_distance_bias_table(model, 11)
         torch.testing.assert_close(renewed, table * 3, rtol=0, atol=0)
+
+
+def test_the_tables_kept_per_weight_are_bounded_and_a_nested_one_is_kept_beside_its_maker():
+    """At most MOST_TABLES tables are kept per bias weight; a table whose making reads another
+    (the verify loop's reads the past-distance one) is kept even where that read fills the bound."""
+    model = tiny_t5(0)
+    bias = bias_owner(model.decoder).relative_attention_bias
+    with torch.no_grad():
+        for longest in range(MOST_TABLES - 1):
+            past_distance_bias_table(model, longest)
+        made = bias_tables(model, 8, 2, torch.device("cpu"))   # its past table fills the bound
+        assert len(WEIGHT_TABLES[bias].tables) <= MOST_TABLES
+        assert bias_tables(model, 8, 2, torch.device("cpu")) is made
+        fresh = relative_position_bias(model, torch.arange(6)[None, :, None])[0, :, :, 0].T
+        torch.testing.assert_close(past_distance_bias_table(model, 5), fresh, rtol=0, atol=0)
