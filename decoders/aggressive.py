@@ -3,7 +3,9 @@
 Reference: Ge, Xia, Sun, Chen, Wei 2022, "Lossless Acceleration for Seq2seq Generation with
 Aggressive Decoding" (Generalized Aggressive Decoding, GAD). The verifier is the backbone `generate`
 receives, decoded with the sequential layout; the drafter is a separately trained Mask-Predict model
-(`decoders/nar.py`), attached with `attach_drafter` (the tasks layer loads its checkpoint).
+(`decoders/nar.py`), attached with `attach_drafter` (the tasks layer loads its checkpoint). A drafter
+trained from the verifier's checkpoint with its encoder frozen (`nar`'s `freeze_encoder`) shares the
+verifier's encoder: it drafts from the verifier's encoder states, and no second encoder runs.
 
 Algorithm.
     1. The drafter drafts every example's whole output: Mask-Predict, T iterations.
@@ -25,8 +27,8 @@ drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token pas
 the verifier's top-k tokens there): faster, no longer exact.
 
 Host syncs: the loop's one per verifier call, which also reads back which rows re-draft and the
-shapes of their pass (`host_values`), and the drafter's own encoder and length read-back once per
-decode.
+shapes of their pass (`host_values`), and the drafter's length read-back (and its own encoder's,
+unless it shares the verifier's) once per decode.
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
 accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
 seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from decoders import register
 from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.backbone import cross_attention_mask, encode
+from decoders.backbone import cross_attention_mask, encode, same_encoder
 from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
 from decoders.loop import Stopwatch, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
@@ -58,7 +60,8 @@ MISMATCH, OUTGROWN = "mismatch", "outgrown"
 class Drafts:
     """The drafter's state over one decode, per example (index: the example's row in the batch)."""
 
-    encoder_states: torch.Tensor  # (B, S, d_model) the drafter's own encoder output
+    encoder_states: torch.Tensor  # (B, S, d_model) the drafter's encoder output (the verifier's
+                                  # where they share the encoder)
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
     tokens: torch.Tensor          # (B, max_new_tokens) the current draft, by output index
     lengths: torch.Tensor         # (B,) how many of them are drafted
@@ -66,6 +69,25 @@ class Drafts:
     clock: Stopwatch              # the time the drafter takes: its first draft and re-drafts
     redrafts: int = 0             # rows drafted again
     passes: int = 0               # the drafter's decoder passes
+
+
+@dataclass
+class AttachedDrafter:
+    """The drafter `attach_drafter` attached: a nar decoder and its backbone."""
+
+    decoder: MaskPredictDecoder
+    model: torch.nn.Module
+    shares_encoder: bool   # its encoder is the verifier's (`same_encoder`) when attached
+
+    def encoder_states(self, source: Source) -> torch.Tensor:
+        """(B, S, d_model) its encoder's output for `source`: the verifier's, where it shares that
+        encoder and its weights take them as they are (one dtype, or autocast casting both; a
+        verifier cast to another dtype after attaching is not), else its own encoder's."""
+        states = source.encoder_states
+        if self.shares_encoder and (states.dtype == next(self.model.parameters()).dtype
+                                    or torch.is_autocast_enabled(states.device.type)):
+            return states
+        return encode(self.model, source.input_ids, source.attention_mask)
 
 
 @register("aggressive")
@@ -95,40 +117,46 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
         # attached, not submodules: the drafter is its own checkpoint, never saved with this one,
-        # and moving or training this decoder leaves it alone (`drafter_parts` puts it beside the
+        # and moving or training this decoder leaves it alone (`drafter_on` puts it beside the
         # inputs it drafts for; it always decodes in eval mode)
-        self.attached: tuple[MaskPredictDecoder, torch.nn.Module] | None = None
+        self.attached: AttachedDrafter | None = None
 
-    def attach_drafter(self, nar_decoder: MaskPredictDecoder, nar_model: torch.nn.Module) -> None:
+    def attach_drafter(self, nar_decoder: MaskPredictDecoder, nar_model: torch.nn.Module,
+                       verifier: torch.nn.Module | None = None) -> None:
         """Draft with `nar_decoder` on its backbone `nar_model` (same tokenizer as the verifier's),
-        decoding with `drafter_iterations` Mask-Predict iterations where set."""
+        decoding with `drafter_iterations` Mask-Predict iterations where set. Where `verifier`, the
+        backbone it will draft for, has the drafter's encoder (`backbone.same_encoder`: a nar
+        checkpoint trained from the verifier's with nar's option `freeze_encoder`), drafts read
+        the verifier's encoder states and the drafter's encoder never runs."""
         if self.drafter_iterations is not None:
             nar_decoder.iterations = int(self.drafter_iterations)
-        self.attached = (nar_decoder.eval(), nar_model.eval())
+        shares = verifier is not None and same_encoder(nar_model, verifier)
+        self.attached = AttachedDrafter(nar_decoder.eval(), nar_model.eval(), shares)
 
     # ---- drafting ----------------------------------------------------------------------------
     @property
     def draft_width(self) -> int:
         return self.draft_tokens
 
-    def drafter_parts(self, device: torch.device) -> tuple[MaskPredictDecoder, torch.nn.Module]:
+    def drafter_on(self, device: torch.device) -> AttachedDrafter:
         """The attached drafter, on `device` (moved there once, where the verifier was moved)."""
         if self.attached is None:
             raise RuntimeError("the aggressive decoder has no drafter: attach one with attach_drafter "
                                "(the tasks layer does, from decoder.drafter=NAR_CKPT)")
-        nar, nar_model = self.attached
-        weight = next(nar_model.parameters(), None)
+        attached = self.attached
+        weight = next(attached.model.parameters(), None)
         if weight is not None and weight.device != device:   # a host attribute: no sync
-            self.attached = (nar.to(device), nar_model.to(device))
-        return self.attached
+            attached.decoder.to(device), attached.model.to(device)
+        return attached
 
     def begin_drafts(self, model, source: Source) -> Drafts:
         device = source.input_ids.device
-        nar, nar_model = self.drafter_parts(device)
+        drafter = self.drafter_on(device)
+        nar = drafter.decoder
         clock = Stopwatch(device)
         with clock.timing():
-            nar_states = encode(nar_model, source.input_ids, source.attention_mask)
-            tokens, lengths, passes = nar.predict_outputs(nar_model, nar_states, source.attention_mask)
+            nar_states = drafter.encoder_states(source)
+            tokens, lengths, passes = nar.predict_outputs(drafter.model, nar_states, source.attention_mask)
             padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
             padded[:, : tokens.size(1)] = tokens
         return Drafts(nar_states, cross_attention_mask(source.attention_mask, nar_states.dtype), padded,
@@ -172,7 +200,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         and whose drafts have `lengths` tokens: at the same length where the draft disagrees, and
         `draft_tokens` past the prefix (capped at the drafter's length bound) where it ran out.
         Returns the rows' new draft lengths."""
-        nar, nar_model = self.drafter_parts(state.tokens.device)
+        drafter = self.drafter_on(state.tokens.device)
+        nar = drafter.decoder
         columns = state.tokens.size(1)
         new_lengths = [length if prefix < length else min(columns, prefix + self.draft_tokens)
                        for prefix, length in zip(given, lengths)]
@@ -190,7 +219,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         decoder_input = torch.where(positions < given_t[:, None], prefix_tokens,
                                     torch.where(positions < lengths_t[:, None], self.special.mask,
                                                 self.special.pad))
-        tokens, _ = nar.mask_predict(nar_model, decoder_input, lengths_t, given_t, passes,
+        tokens, _ = nar.mask_predict(drafter.model, decoder_input, lengths_t, given_t, passes,
                                      state.encoder_states[redrafted], state.encoder_mask[redrafted])
         state.tokens[redrafted, :width] = tokens
         state.lengths[redrafted] = lengths_t

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Collection, Hashable, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,31 @@ def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
            attention_mask: torch.Tensor) -> torch.Tensor:
     """Run the encoder once per batch; every decoder call reuses its output `(B, source_len, d_model)`."""
     return model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def encoder_weights(model: T5ForConditionalGeneration) -> set[nn.Parameter]:
+    """The parameters the encoder's output depends on: its blocks and the token embeddings, which T5
+    shares with its decoder's input and (tied) output projection."""
+    return set(model.get_encoder().parameters())
+
+
+# The settings besides its weights that an encoder's output depends on (transformers T5Config).
+ENCODER_SETTINGS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                    "relative_attention_num_buckets", "relative_attention_max_distance",
+                    "layer_norm_epsilon", "feed_forward_proj")
+
+
+def same_encoder(model: T5ForConditionalGeneration, other: T5ForConditionalGeneration) -> bool:
+    """Whether two backbones encode every source alike: the same encoder settings and attention
+    implementation, and equal encoder weights (token embeddings included) of one dtype."""
+    if any(getattr(model.config, name) != getattr(other.config, name) for name in ENCODER_SETTINGS):
+        return False
+    if attention_implementation(model.config) != attention_implementation(other.config):
+        return False
+    ours, theirs = model.get_encoder().state_dict(), other.get_encoder().state_dict()
+    return ours.keys() == theirs.keys() and all(
+        ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name].to(ours[name].device))
+        for name in ours)
 
 
 def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> torch.Tensor:
@@ -315,10 +340,12 @@ class _Apply(nn.Module):
         return self.function(self.model, *args)
 
 
-def with_frozen_weights(model: nn.Module, function: Callable, *args):
-    """`function(model, *args)` computed with the model's weights detached: gradients flow to
-    `args` (and to modules outside `model`) but never reach the model's parameters, and nothing
-    about the model is changed (its `requires_grad` flags stay as the caller set them)."""
-    weights = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+def with_frozen_weights(model: nn.Module, function: Callable, *args, only: Collection | None = None):
+    """`function(model, *args)` computed with the model's weights detached (`only` those among the
+    parameters `only` holds, where given): gradients flow to `args` (and to modules outside
+    `model`) but never reach those parameters, and nothing about the model is changed (its
+    `requires_grad` flags stay as the caller set them)."""
+    weights = {f"model.{name}": p.detach() for name, p in model.named_parameters()
+               if only is None or p in only}
     # tie_weights (the default) keeps tied parameters (T5's shared embedding and lm_head) tied
     return torch.func.functional_call(_Apply(model, function), weights, args)

@@ -11,6 +11,8 @@ Model:  T5's decoder with *bidirectional* self-attention (every position sees ev
         the encoder output. Both are submodules of this decoder (trained and checkpointed with it).
 Loss:   per example draw n ~ U{1..L}, replace n uniformly chosen target positions by the mask token,
         cross-entropy of the masked positions' tokens + length_loss_weight * cross-entropy of L.
+        With `freeze_encoder` the encoder and the token embeddings keep their starting weights, so a
+        drafter started from a verifier's checkpoint can read that verifier's encoder states.
 Decode: predict the top-`length_candidates` lengths; for each, start from L mask tokens and predict
         every position in one pass; then for t = 1..T-1 re-mask the n = floor(L*(T-t)/T) least
         confident tokens (ties: lower position first) and predict them again, updating tokens and
@@ -63,8 +65,9 @@ from torch import nn
 
 from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
-from decoders.backbone import (at_least_float32, cross_attention_mask, encode, hidden_mask,
-                               masked_mean, output_logits, relative_position_bias)
+from decoders.backbone import (at_least_float32, cross_attention_mask, encode, encoder_weights,
+                               hidden_mask, made_from_bias_weight, masked_mean, output_logits,
+                               relative_position_bias, with_frozen_weights)
 from decoders.base import OUTPUT_BOUND, Decoder, Option
 from decoders.loop import flat_decode_output
 from decoders.sequential import join_subsequences
@@ -78,10 +81,13 @@ def bidirectional_position_bias(model, width: int, device: torch.device) -> torc
     -> (1, heads, width, width). Bucket of (query q, key k) = T5's bidirectional bucketing of k - q,
     through the first decoder layer's bias table (only layer 0 owns one; see the module docstring).
     """
-    positions = torch.arange(width, device=device)
-    # base's distance is how far the key lies in the past, q - k; it buckets -distance = k - q
-    distance = positions[:, None] - positions[None, :]            # (queries, keys): query - key
-    return relative_position_bias(model, distance[None], bidirectional=True)
+    def table() -> torch.Tensor:
+        positions = torch.arange(width, device=device)
+        # base's distance is how far the key lies in the past, q - k; it buckets -distance = k - q
+        distance = positions[:, None] - positions[None, :]        # (queries, keys): query - key
+        return relative_position_bias(model, distance[None], bidirectional=True)
+    # decoding makes it once per weights and width (`made_from_bias_weight`), not once per pass
+    return made_from_bias_weight(model, ("bidirectional", width, device), table)
 
 
 def self_attention_bias(model, valid: torch.Tensor) -> torch.Tensor:
@@ -169,7 +175,8 @@ class MaskPredictDecoder(Decoder):
     options = {"max_new_tokens": replace(OUTPUT_BOUND, decode_only=False),
                "iterations": Option(4, Range(ge=1), decode_only=True),
                "length_candidates": Option(1, Range(ge=1, le="max_new_tokens"), decode_only=True),
-               "length_loss_weight": Option(0.1, Range(ge=0, integer=False))}
+               "length_loss_weight": Option(0.1, Range(ge=0, integer=False)),
+               "freeze_encoder": Option(False)}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
@@ -229,9 +236,22 @@ class MaskPredictDecoder(Decoder):
         return calls
 
     def loss(self, model, input_ids, attention_mask, layout):
+        if not self.freeze_encoder:
+            encoder_states = encode(model, input_ids, attention_mask)       # (B, S, d_model)
+            return self.loss_given_encoding(model, encoder_states, attention_mask, layout)
+        # The encoder keeps the weights it starts from (`train.init_from`'s), token embeddings
+        # included: those are the decoder's input and output projection too, so they are frozen
+        # there as well. A verifier with that encoder then serves its states to this model as a
+        # drafter (`AggressiveDecoder.attach_drafter`).
+        with torch.no_grad():
+            encoder_states = encode(model, input_ids, attention_mask)
+        return with_frozen_weights(model, self.loss_given_encoding, encoder_states, attention_mask,
+                                   layout, only=encoder_weights(model))
+
+    def loss_given_encoding(self, model, encoder_states, attention_mask, layout):
+        """The loss (module docstring, "Loss") of a batch whose encoder states are given."""
         target, lengths = layout["target"], layout["lengths"]                # (B, W), (B,)
         width = target.size(1)
-        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
 
         masked = sample_training_mask(lengths, width)                        # (B, W) bool
         decoder_input = target.masked_fill(masked, self.special.mask)

@@ -3,6 +3,7 @@ whatever the drafter drafts (a random Mask-Predict model, or a scripted drafter 
 verifier's greedy output corrupted, cut short or run past its end token), alone and in batches whose
 rows accept different numbers of tokens; the telemetry adds up; relaxed acceptance (top_k > 1) can
 leave greedy decoding where exact acceptance cannot; the given-prefix Mask-Predict keeps its prefix."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -266,6 +267,50 @@ def test_decoding_without_a_drafter_is_refused():
         decoder.generate(model, *random_batch(2))
 
 
+def encoder_runs(model) -> list:
+    """A list that receives an entry each time `model`'s encoder runs."""
+    runs = []
+    model.get_encoder().register_forward_hook(lambda *args: runs.append(1))
+    return runs
+
+
+def test_a_drafter_with_the_verifiers_encoder_drafts_from_its_states():
+    """A drafter whose encoder is the verifier's (its decoder is another) drafts from the verifier's
+    encoder states: its own encoder never runs, and it drafts, is verified and re-drafts exactly as
+    it does running its encoder. One whose encoder differs by one weight runs its own."""
+    model = tiny_t5(0)
+    drafter_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in drafter_model.decoder.block.parameters():   # not the shared token embeddings
+            weight.add_(0.5 * torch.randn_like(weight))
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=2, max_new_tokens=BOUND).eval()
+    input_ids, attention_mask = random_batch(8, seed=3)
+    expected = sequential(model, BOUND).generate(model, input_ids, attention_mask)
+    runs = encoder_runs(drafter_model)
+
+    def decoded(verifier):
+        decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, draft_tokens=3)
+        decoder.attach_drafter(drafter, drafter_model, verifier=verifier)
+        runs.clear()
+        out = decoder.generate(model, input_ids, attention_mask)
+        assert_same_output(out, expected)
+        return out, decoder.attached.shares_encoder, len(runs)
+
+    shared, shares, shared_runs = decoded(model)
+    own, owns, own_runs = decoded(None)
+    assert shares and shared_runs == 0
+    assert not owns and own_runs == 1
+    assert shared.decoder_calls == own.decoder_calls
+    assert {k: v for k, v in shared.stats.items() if k != "drafter_seconds"} == \
+        {k: v for k, v in own.stats.items() if k != "drafter_seconds"}
+    assert shared.stats["redrafts"] > 0, "re-drafts read the shared states too"
+
+    with torch.no_grad():
+        drafter_model.encoder.block[0].layer[1].DenseReluDense.wo.weight[0, 0] += 1.0
+    _, shares_other, other_runs = decoded(model)
+    assert not shares_other and other_runs == 1
+
+
 # ---- 4. the tasks layer: the drafter checkpoint -----------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -391,19 +436,39 @@ def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
     assert "draft tokens offered/call" in table
 
 
-def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
+def restored_aggressive(saved_checkpoints, drafter: str):
     from tasks.runs.checkpoints import load_checkpoint
     from tasks.runs.restore import checkpoint_config, restore_module
     path = saved_checkpoints.sequential.path
     checkpoint = load_checkpoint(path)
-    cfg = checkpoint_config(checkpoint, path, ["decoder=aggressive", f"decoder.drafter={saved_checkpoints.nar}",
+    cfg = checkpoint_config(checkpoint, path, ["decoder=aggressive", f"decoder.drafter={drafter}",
                                                "decoder.draft_tokens=3"])
-    module = restore_module(checkpoint, path, cfg).eval()
-    nar_decoder, _ = module.decoder.attached
-    assert nar_decoder.name == "nar"
+    return restore_module(checkpoint, path, cfg).eval()
+
+
+def test_a_restored_aggressive_module_drafts_with_the_nar_checkpoint(saved_checkpoints):
+    from tasks.runs.checkpoints import load_checkpoint
+    from tasks.runs.restore import checkpoint_config, restore_module
+    module = restored_aggressive(saved_checkpoints, saved_checkpoints.nar)
+    assert module.decoder.attached.decoder.name == "nar"
+    path = saved_checkpoints.sequential.path
+    checkpoint = load_checkpoint(path)
     verifier = restore_module(checkpoint, path, checkpoint_config(checkpoint, path, [])).eval()
     input_ids, attention_mask = random_batch(4, seed=2)
     input_ids = input_ids % verifier.backbone.config.vocab_size
     out = module.decoder.generate(module.backbone, input_ids, attention_mask)
     ref = verifier.decoder.generate(verifier.backbone, input_ids, attention_mask)
     assert out.subsequences == ref.subsequences and out.tokens == ref.tokens
+
+
+def test_a_restored_drafter_shares_the_verifiers_encoder_only_where_it_is_the_same(saved_checkpoints,
+                                                                                   tmp_path):
+    """The tasks layer attaches the drafter for the module's backbone: the two untrained
+    checkpoints, built from one seed, have one encoder, which the drafter then shares; a drafter
+    checkpoint with one encoder weight changed keeps its own."""
+    assert restored_aggressive(saved_checkpoints, saved_checkpoints.nar).decoder.attached.shares_encoder
+    other = torch.load(saved_checkpoints.nar, weights_only=True)
+    other["state_dict"]["backbone.encoder.block.0.layer.0.SelfAttention.q.weight"][0, 0] += 1.0
+    torch.save(other, tmp_path / "other-encoder.ckpt")
+    module = restored_aggressive(saved_checkpoints, str(tmp_path / "other-encoder.ckpt"))
+    assert not module.decoder.attached.shares_encoder

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import decoders.nar as nar
 from decoders import build_decoder
-from decoders.backbone import (encode, hidden_mask, output_logits, relative_position_bias,
+from decoders.backbone import (encode, hidden_mask, output_logits, relative_position_bias, same_encoder,
                                run_decoder)
 from decoders.sequential import join_subsequences
 from decoders.transformers_internals import bias_owner
@@ -469,7 +469,8 @@ def test_bad_options_fail_clearly(options, needle):
 def test_config_options_and_family():
     cfg = compose("keyphrase", "nar", None, ["data.max_target_length=40", "decoder.iterations=2"])
     assert dict(cfg.decoder) == {"name": "nar", "iterations": 2, "length_candidates": 1,
-                                 "length_loss_weight": 0.1, "max_new_tokens": 40, "compile": False}
+                                 "length_loss_weight": 0.1, "freeze_encoder": False, "max_new_tokens": 40,
+                                 "compile": False}
     assert nar.MaskPredictDecoder.layout_family == "nar"
 
 
@@ -482,3 +483,21 @@ def test_decode_options_change_nothing_trained():
     other = make(tiny_t5(0), seed=5, max_new_tokens=12, iterations=10, length_candidates=4)
     other.load_state_dict(trained.state_dict())
     assert torch.equal(other.position_embedding.weight, trained.position_embedding.weight)
+
+
+@pytest.mark.parametrize("freeze_encoder", [True, False])
+def test_a_frozen_encoder_keeps_its_weights_while_the_decoder_learns(freeze_encoder):
+    """With freeze_encoder, training leaves the encoder and the token embeddings (the decoder's
+    input and tied output projection too) as they started, so the model encodes as its starting
+    checkpoint does (`same_encoder`); the decoder's blocks and the length predictor learn. Without
+    it, the encoder learns too."""
+    start = tiny_t5(0)
+    model = tiny_t5(0)
+    decoder = make(model, max_new_tokens=12, freeze_encoder=freeze_encoder)
+    length_weight = decoder.length_predictor.weight.detach().clone()
+    briefly_trained(decoder, steps=3, model=model)
+    assert same_encoder(model, start) == freeze_encoder
+    assert torch.equal(model.shared.weight, start.shared.weight) == freeze_encoder
+    trained_block = model.decoder.block[0].layer[0].SelfAttention.q.weight
+    assert not torch.equal(trained_block, start.decoder.block[0].layer[0].SelfAttention.q.weight)
+    assert not torch.equal(decoder.length_predictor.weight, length_weight)

@@ -62,13 +62,14 @@ def tokenizer_identity(checkpoint: dict):
 
 def attach_drafter(module: GenerationTask, cfg, verifier: dict) -> None:
     """The drafter of a decoder that drafts with another decoder's model (`Decoder.drafts_with`),
-    restored from `decoder.drafter` and attached to it; nothing for the other decoders."""
+    restored from `decoder.drafter` and attached to it, for the module's backbone as verifier;
+    nothing for the other decoders."""
     if not decoder_class(cfg.decoder.name).drafts_with:
         return
     path = cfg.decoder.drafter
     drafter = drafter_checkpoint(cfg, verifier)
     nar = restore_module(drafter, path, checkpoint_config(drafter, path, []))
-    module.decoder.attach_drafter(nar.decoder, nar.backbone)
+    module.decoder.attach_drafter(nar.decoder, nar.backbone, verifier=module.backbone)
 
 
 def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
