@@ -8,7 +8,8 @@ trained from the verifier's checkpoint with its encoder frozen (`nar`'s `freeze_
 verifier's encoder: it drafts from the verifier's encoder states, and no second encoder runs.
 
 Algorithm.
-    1. The drafter drafts every example's whole output: Mask-Predict, T iterations.
+    1. The drafter drafts every example's whole output: Mask-Predict, T iterations. The verifier's
+       first call checks its first `draft_tokens` tokens beside the start token (`first_draft`).
     2. Draft and verify (`decoders/drafts.py`): a verifier call feeds the row's last token and the next
        `draft_tokens` draft tokens at the row's current output index, accepts the longest prefix its
        greedy tokens agree with and appends its own token after it (1 .. draft_tokens + 1 tokens).
@@ -27,8 +28,9 @@ drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token pas
 the verifier's top-k tokens there): faster, no longer exact.
 
 Host syncs: the loop's one per verifier call, which also reads back which rows re-draft and the
-shapes of their pass (`host_values`), and the drafter's length read-back (and its own encoder's,
-unless it shares the verifier's) once per decode.
+shapes of their pass (`host_values`); once per decode, the drafter's own encoder's (unless it
+shares the verifier's), its predicted lengths (the shapes of its first pass) and its draft's lengths
+(the first call's offers).
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
 accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
 seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
@@ -161,6 +163,12 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             padded[:, : tokens.size(1)] = tokens
         return Drafts(nar_states, cross_attention_mask(source.attention_mask, nar_states.dtype), padded,
                       lengths, torch.arange(self.draft_tokens, device=device), clock, passes=max(passes))
+
+    def first_draft(self, state: Drafts) -> Draft:
+        # the draft's first m tokens, verified by the first call (a draft shorter than m offers
+        # its length: read back once per decode)
+        return Draft(state.tokens[:, : self.draft_tokens],
+                     offered=[min(length, self.draft_tokens) for length in state.lengths.tolist()])
 
     def host_values(self, state: Drafts, verified: Verified) -> dict[str, torch.Tensor]:
         """Which rows need drafting again (module docstring), with each row's count and its draft's

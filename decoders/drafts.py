@@ -10,7 +10,8 @@ The call feeds [y, d_1, .., d_m] (y its last token, d its draft) at positions n_
 model's argmax at fed position j is the greedy token after it, so the row accepts the longest prefix
 of its draft on which the argmax agrees (`accepted_length`; only the first `offered` draft tokens
 count), and then takes the model's own next token: a call yields 1 .. m + 1 tokens. The first call
-feeds only the start token. `top_k` > 1 relaxes acceptance to "among the model's top-k tokens"
+feeds the start token, and the draft's first m tokens where the drafter has them before any token
+(`first_draft`: aggressive's whole-output draft); else the start token alone. `top_k` > 1 relaxes acceptance to "among the model's top-k tokens"
 (Stern et al., Section 5: faster, no longer exact).
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
@@ -262,7 +263,7 @@ def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
 @functools.lru_cache(maxsize=16)
 def call_index_tables(k: int, most_slots: int, device: torch.device):
     """Index tables of a decode, made once per shape (they hold no weights): for a call of Q fed
-    tokens (1 at the first call, up to k after), each token's fed index (Q,), fed index - slot
+    tokens (1 up to k), each token's fed index (Q,), fed index - slot
     (Q, most_slots) (the distances, once a row's count is added) and Q itself (0-dim: "no end
     token among them")."""
     fed_offset = torch.arange(k, device=device)
@@ -350,6 +351,13 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
         default)."""
         return None
 
+    def first_draft(self, state: DraftState) -> Draft | None:
+        """The first call's drafts of every row, output indices 0 .. m - 1, where the drafter has
+        them before the model's first token (aggressive's drafter drafts whole outputs): that call
+        then verifies them beside the start token. None (the default): it feeds the start token
+        alone."""
+        return None
+
     def host_values(self, state: DraftState, verified: Verified) -> dict[str, torch.Tensor] | None:
         """What the next `draft` needs on the host, by name: (live,) longs for every row of the call,
         read back with the call's one host sync (aggressive: which rows to draft again, and their
@@ -391,7 +399,7 @@ class Rows:
     count: torch.Tensor           # (live, 1) tokens produced: the first fed token's position
     examples: list[int]           # host: each row's example
     counts: list[int]             # host: the same as `count`
-    offers: list[int]             # host: the draft tokens each row feeds (0 at the first call)
+    offers: list[int]             # host: the draft tokens each row feeds
     lengths: list[int] | None     # host: each row's adaptive draft length; None: fixed
     probes: list[bool]            # host: the rows that probe (`fed_offers`)
     # (live,) each row's draft's first token, where some row probes a draft made on the device
@@ -496,6 +504,9 @@ class VerifyLoop:
         self.final_counts, self.calls, self.batch_calls = [0] * batch_size, [0] * batch_size, 0
         self.counters = dict.fromkeys(LOOP_COUNTERS, 0)
         self.tally = FirstTokenTally(drafter.min_acceptance) if drafter.min_acceptance > 0 else None
+        first = drafter.first_draft(self.state)
+        if first is not None:
+            self.feed_next(self.rows.fed, first)
 
     def feed(self) -> torch.Tensor:
         """One decoder call: every live row's fed tokens written at their positions, attending to the
@@ -522,7 +533,7 @@ class VerifyLoop:
         and its count moved on. Where no draft token was fed, both are None: the row's one token is
         its newest, which the host reads anyway."""
         rows, drafter = self.rows, self.drafter
-        if rows.fed.size(1) == 1:   # the first call, or no row feeds a draft token
+        if rows.fed.size(1) == 1:   # no row feeds a draft token (as at a first call without one)
             greedy = output_logits(self.model, hidden).argmax(-1)    # (live, 1): the token after it
             self.keep_produced(greedy)
             rows.count = rows.count + 1

@@ -170,12 +170,12 @@ def greedy_outputs(model, input_ids, attention_mask, bound: int) -> list[list[in
     return [row[: row.index(SPECIAL.eos) + 1] if SPECIAL.eos in row else row for row in out]
 
 
-def assert_drafts_counted(out, calls_stat: str, draft_width: int):
+def assert_drafts_counted(out, calls_stat: str, draft_width: int, first_call_drafts: bool = False):
     """A draft-and-verify decode's counters (`stats`) agree with its outputs: its tokens and its
     calls (`calls_stat`), and what the verify loop counts of its drafts (`LOOP_COUNTERS`): every call
-    after a row's first offers at most `draft_width` tokens, at most the offered ones are accepted,
-    and a row's tokens are its calls' accepted drafts plus one per call, less what an end token or
-    the bound cut."""
+    after a row's first (its first too, where the drafter drafts before it: `first_call_drafts`)
+    offers at most `draft_width` tokens, at most the offered ones are accepted, and a row's tokens
+    are its calls' accepted drafts plus one per call, less what an end token or the bound cut."""
     stats = out.stats
     assert stats["accepted_tokens"] == sum(out.tokens)
     assert stats[calls_stat] == sum(out.decoder_calls)
@@ -183,9 +183,9 @@ def assert_drafts_counted(out, calls_stat: str, draft_width: int):
     for tokens, calls in zip(out.tokens, out.decoder_calls):
         assert 1 <= calls <= tokens
     assert set(LOOP_COUNTERS) <= set(stats)
-    later_calls = sum(out.decoder_calls) - len(out.tokens)
-    assert stats["calls_with_draft"] <= later_calls
-    assert stats["draft_tokens_offered"] <= draft_width * later_calls
+    drafting_calls = sum(out.decoder_calls) - (0 if first_call_drafts else len(out.tokens))
+    assert stats["calls_with_draft"] <= drafting_calls
+    assert stats["draft_tokens_offered"] <= draft_width * drafting_calls
     assert 0 <= stats["draft_tokens_accepted"] <= stats["draft_tokens_offered"]
     assert stats["drafts_cut_at_separator"] <= stats["calls_with_draft"]
     assert sum(out.tokens) <= stats["draft_tokens_accepted"] + sum(out.decoder_calls)

@@ -33,7 +33,7 @@ def aggressive(model, drafter, drafter_model, **options):
 def assert_consistent_telemetry(out, draft_tokens):
     """The counters of every drafter (`assert_drafts_counted`; the calls are the verifier's), and
     the drafter's own."""
-    assert_drafts_counted(out, "aggressive_calls", draft_tokens)
+    assert_drafts_counted(out, "aggressive_calls", draft_tokens, first_call_drafts=True)
     # every call yields its accepted draft tokens and one of its own (the last call may stop at an
     # accepted end token): at most one accepted draft token per example is not output
     stats = out.stats
@@ -122,8 +122,9 @@ def test_perfect_drafts_are_all_accepted(draft_tokens):
     assert_consistent_telemetry(out, draft_tokens)
     assert out.stats["redrafts"] == 0 and out.stats["drafter_passes"] == drafter.iterations
     assert out.stats["draft_tokens_accepted"] == out.stats["draft_tokens_offered"]
-    # the first call yields one token, every later one draft_tokens + 1 (the last one fewer)
-    assert out.decoder_calls == [1 + -(-(len(g) - 1) // (draft_tokens + 1)) for g in greedy]
+    # the first call verifies the draft's first tokens beside the start token: every call yields
+    # draft_tokens + 1 tokens (the last one fewer)
+    assert out.decoder_calls == [-(-len(g) // (draft_tokens + 1)) for g in greedy]
     assert len(set(out.decoder_calls)) > 1, "rows of different lengths"
 
 

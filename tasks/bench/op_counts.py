@@ -64,9 +64,9 @@ def drafter_work(decoder) -> tuple[list[nn.Module], list[tuple[object, str]]]:
     attached = getattr(decoder, "attached", None)
     if attached is None:
         return [], []
-    nar, nar_model = attached
-    return model_modules(nar_model), [(decoder, "begin_drafts"), (decoder, "draft_again"),
-                                      (nar, "mask_predict"), (nar, "predict_outputs")]
+    return model_modules(attached.model), [(decoder, "begin_drafts"), (decoder, "draft_again"),
+                                           (attached.decoder, "mask_predict"),
+                                           (attached.decoder, "predict_outputs")]
 
 
 @contextmanager
