@@ -27,8 +27,9 @@ With `top_k` = 1 the output is exactly sequential greedy decoding of the verifie
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
 the verifier's top-k tokens there): faster, no longer exact.
 
-Host syncs: the loop's one per verifier call, which also reads back which rows re-draft and the
-shapes of their pass (`host_values`); once per decode, the drafter's own encoder's (unless it
+Host syncs: the loop's one per verifier call, which under the paper's rule also reads back which
+rows' drafts disagree with the verifier (`host_values`; the rest of the re-draft decision and the
+shapes of its pass follow from host values); once per decode, the drafter's own encoder's (unless it
 shares the verifier's), its predicted lengths (the shapes of its first pass) and its draft's lengths
 (the first call's offers).
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
@@ -66,7 +67,7 @@ class Drafts:
                                   # where they share the encoder)
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
     tokens: torch.Tensor          # (B, max_new_tokens) the current draft, by output index
-    lengths: torch.Tensor         # (B,) how many of them are drafted
+    lengths: list[int]            # host: how many of them are drafted
     offsets: torch.Tensor         # (m,) 0..m-1: a draft's output indices past a row's count
     clock: Stopwatch              # the time the drafter takes: its first draft and re-drafts
     redrafts: int = 0             # rows drafted again
@@ -148,7 +149,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         attached = self.attached
         weight = next(attached.model.parameters(), None)
         if weight is not None and weight.device != device:   # a host attribute: no sync
-            attached.decoder.to(device), attached.model.to(device)
+            attached.decoder.to(device)
+            attached.model.to(device)
         return attached
 
     def begin_drafts(self, model, source: Source) -> Drafts:
@@ -161,46 +163,50 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             tokens, lengths, passes = nar.predict_outputs(drafter.model, nar_states, source.attention_mask)
             padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
             padded[:, : tokens.size(1)] = tokens
+            # read back once per decode: the first call's offers, and every later re-draft decision
+            # but the paper's, made on the host
+            host_lengths = lengths.tolist()
         return Drafts(nar_states, cross_attention_mask(source.attention_mask, nar_states.dtype), padded,
-                      lengths, torch.arange(self.draft_tokens, device=device), clock, passes=max(passes))
+                      host_lengths, torch.arange(self.draft_tokens, device=device), clock,
+                      passes=max(passes))
 
     def first_draft(self, state: Drafts) -> Draft:
         # the draft's first m tokens, verified by the first call (a draft shorter than m offers
-        # its length: read back once per decode)
+        # its length)
         return Draft(state.tokens[:, : self.draft_tokens],
-                     offered=[min(length, self.draft_tokens) for length in state.lengths.tolist()])
+                     offered=[min(length, self.draft_tokens) for length in state.lengths])
 
     def host_values(self, state: Drafts, verified: Verified) -> dict[str, torch.Tensor]:
-        """Which rows need drafting again (module docstring), with each row's count and its draft's
-        length, for the shapes of the re-draft: read back with the loop's one host sync."""
-        count = verified.count.view(-1)                               # (live,)
-        lengths = state.lengths[verified.example]                     # (live,)
+        """Under the paper's rule, which rows' drafts disagree with the verifier's own token, read
+        back with the loop's one host sync; nothing else: a row whose output reached its draft's
+        length is told on the host, from the counts the loop reads anyway (`LOOP_HOST_VALUES`)."""
+        if self.redraft != MISMATCH:
+            return {}
+        # the draft's token at the verifier's own token's index (count - 1)
         columns = state.tokens.size(1)
-        # a row whose output has reached its draft's length needs drafting again whatever the rule
-        needed = count >= lengths
-        if self.redraft == MISMATCH:
-            # the draft's token at the verifier's own token's index (count - 1)
-            drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
-            needed = needed | (drafted != verified.next_token).view(-1)
-        # rows that are done are dropped before drafting, so this need not know which those are
-        return {"redraft": needed & (count < columns), "count": count, "length": lengths}
+        drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
+        return {"disagrees": (drafted != verified.next_token).view(-1)}
 
     def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
-        lengths = list(host["length"])
-        rows = [row for row, need in enumerate(host["redraft"]) if need]
+        counts, columns = host["count"], state.tokens.size(1)
+        lengths = [state.lengths[example] for example in host["example"]]
+        disagrees = host.get("disagrees", [False] * len(counts))
+        # drafted again (module docstring): an output that reached its draft's length whatever the
+        # rule, one whose draft disagrees under the paper's; never one at the drafter's bound
+        rows = [row for row, (count, length) in enumerate(zip(counts, lengths))
+                if count < columns and (count >= length or disagrees[row])]
         if rows:
             with state.clock.timing():
-                redrafted = self.draft_again(state, verified, rows,
-                                             [host["count"][row] for row in rows],
+                redrafted = self.draft_again(state, verified, rows, [counts[row] for row in rows],
                                              [lengths[row] for row in rows])
             for row, length in zip(rows, redrafted):
-                lengths[row] = length
-        m, columns = self.draft_tokens, state.tokens.size(1)
+                lengths[row] = state.lengths[host["example"][row]] = length
+        m = self.draft_tokens
         # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
         # verifier's own, sits at count - 1); indices past the draft are filler, never offered
         indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m)
         return Draft(state.tokens[verified.origin, indices],
-                     offered=[min(max(length - count, 0), m) for length, count in zip(lengths, host["count"])])
+                     offered=[min(max(length - count, 0), m) for length, count in zip(lengths, counts)])
 
     def draft_again(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
                     lengths: list[int]) -> list[int]:
@@ -230,7 +236,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         tokens, _ = nar.mask_predict(drafter.model, decoder_input, lengths_t, given_t, passes,
                                      state.encoder_states[redrafted], state.encoder_mask[redrafted])
         state.tokens[redrafted, :width] = tokens
-        state.lengths[redrafted] = lengths_t
         state.redrafts += len(rows)
         state.passes += passes
         return new_lengths

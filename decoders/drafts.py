@@ -11,8 +11,8 @@ model's argmax at fed position j is the greedy token after it, so the row accept
 of its draft on which the argmax agrees (`accepted_length`; only the first `offered` draft tokens
 count), and then takes the model's own next token: a call yields 1 .. m + 1 tokens. The first call
 feeds the start token, and the draft's first m tokens where the drafter has them before any token
-(`first_draft`: aggressive's whole-output draft); else the start token alone. `top_k` > 1 relaxes acceptance to "among the model's top-k tokens"
-(Stern et al., Section 5: faster, no longer exact).
+(`first_draft`: aggressive's whole-output draft); else the start token alone. `top_k` > 1 relaxes
+acceptance to "among the model's top-k tokens" (Stern et al., Section 5: faster, no longer exact).
 
 Ends and bounds (`kept_tokens`): a row keeps its tokens up to its first end token and up to
 `max_new_tokens`. The one host sync of a call reads back each row's newest token, and where draft
@@ -263,9 +263,8 @@ def row_slot_cache(num_layers: int, writes: SlotWrites) -> EncoderDecoderCache:
 @functools.lru_cache(maxsize=16)
 def call_index_tables(k: int, most_slots: int, device: torch.device):
     """Index tables of a decode, made once per shape (they hold no weights): for a call of Q fed
-    tokens (1 up to k), each token's fed index (Q,), fed index - slot
-    (Q, most_slots) (the distances, once a row's count is added) and Q itself (0-dim: "no end
-    token among them")."""
+    tokens (1 up to k), each token's fed index (Q,), fed index - slot (Q, most_slots) (the
+    distances, once a row's count is added) and Q itself (0-dim: "no end token among them")."""
     fed_offset = torch.arange(k, device=device)
     query_minus_slot = fed_offset[:, None] - torch.arange(most_slots, device=device)
     return {q: (fed_offset[:q], query_minus_slot[:q], torch.tensor(q, device=device))
@@ -307,8 +306,9 @@ class Verified:
 
 
 # What the loop gives a drafter that drafts after the sync, beside what it named (`host_values`):
-# each row's example (its row in the batch) and the model's newest token, the last of its output.
-LOOP_HOST_VALUES = ("example", "next_token")
+# each row's example (its row in the batch), the model's newest token, the last of its output, and
+# its count (tokens produced, that one included).
+LOOP_HOST_VALUES = ("example", "next_token", "count")
 
 # What the loop counts of every drafter's drafts, summed over a decode (its `stats` keys).
 LOOP_COUNTERS = (
@@ -625,7 +625,7 @@ class VerifyLoop:
             if done[-1]:
                 self.final_counts[example], self.calls[example] = rows.counts[row], self.batch_calls
         host = None if needs is None else {"example": rows.examples, "next_token": next_host,
-                                           **dict(zip(needs, rest))}
+                                           "count": rows.counts, **dict(zip(needs, rest))}
         return done, early, host
 
     def count_drafts(self, accepted: list[int], next_tokens: list[int], offered: list[int]) -> None:

@@ -449,6 +449,14 @@ def test_a_frozen_blockwise_backbone_without_a_trained_one_fails_before_any_work
             "model's backbone") in stderr
 
 
+def test_a_frozen_nar_encoder_without_a_trained_one_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """A nar drafter keeping a random encoder would draft from noise, and share no verifier's."""
+    stderr = fails_before_any_work(fit, ["--decoder", "nar", "decoder.freeze_encoder=true",
+                                         *TINY, *tracking(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert ("decoder nar with decoder.freeze_encoder=true trains only on a trained sequential "
+            "model's backbone") in stderr
+
+
 def test_every_numeric_decoder_option_is_in_the_table():
     from decoders import available, decoder_class
     tested = {(decoder, override.split("=")[0][len("decoder."):])

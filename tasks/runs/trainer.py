@@ -142,14 +142,20 @@ class Trained:
     fit_seconds: float   # this process's trainer.fit, validation included (a resume: the rest only)
 
 
+# Decoder options that keep trained weights as training starts them (blockwise's backbone, nar's
+# encoder): set, the decoder trains only on a trained backbone.
+FREEZING_OPTIONS = ("freeze_backbone", "freeze_encoder")
+
+
 def needs_trained_backbone(cfg: DictConfig) -> str | None:
     """The decoder of `cfg`, named with the setting that makes it so ("decoder blockwise with
-    decoder.freeze_backbone=true"), when it trains only on a trained backbone, which it freezes:
-    it `needs_trained_backbone`, or is set to freeze its backbone. None when it trains its own."""
-    frozen = cfg.decoder.get("freeze_backbone", False)
+    decoder.freeze_backbone=true"), when it trains only on a trained backbone, which it (partly)
+    freezes: it `needs_trained_backbone`, or is set to freeze (`FREEZING_OPTIONS`). None when it
+    trains its own."""
+    frozen = next((name for name in FREEZING_OPTIONS if cfg.decoder.get(name, False)), None)
     if not (frozen or decoder_class(cfg.decoder.name).needs_trained_backbone):
         return None
-    return f"decoder {cfg.decoder.name}" + (" with decoder.freeze_backbone=true" if frozen else "")
+    return f"decoder {cfg.decoder.name}" + (f" with decoder.{frozen}=true" if frozen else "")
 
 
 def check_something_to_train(cfg: DictConfig) -> None:
