@@ -21,8 +21,9 @@ Algorithm.
        nothing is offered and the verifier goes on alone, one token per call).
        With `redraft` = "outgrown" a rejected draft is not drafted again: its later tokens are
        offered as they are (right wherever the drafter only got a token wrong, not the length of
-       what precedes), and only a draft the output has outgrown is. It trades verifier calls for
-       drafter passes; the paper's rule ("mismatch") is the default.
+       what precedes), and only a draft the output has outgrown is. With `redraft` = "never" the
+       drafter drafts once per decode: past its draft's end a row's verifier goes on alone. Each
+       trades verifier calls for drafter passes; the paper's rule ("mismatch") is the default.
 With `top_k` = 1 the output is exactly sequential greedy decoding of the verifier, whatever the
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
 the verifier's top-k tokens there): faster, no longer exact.
@@ -55,8 +56,9 @@ from decoders.sequential import SequentialDecoder
 
 
 # When the drafter drafts again (the option `redraft`): wherever the verifier rejects a draft token,
-# as Ge et al. do, or only where the verified output has outgrown the draft.
-MISMATCH, OUTGROWN = "mismatch", "outgrown"
+# as Ge et al. do, only where the verified output has outgrown the draft, or never (one draft per
+# decode: a pass of the drafter costs more than the verifier calls a short re-draft saves).
+MISMATCH, OUTGROWN, NEVER = "mismatch", "outgrown", "never"
 
 
 @dataclass
@@ -82,15 +84,20 @@ class AttachedDrafter:
     model: torch.nn.Module
     shares_encoder: bool   # its encoder is the verifier's (`same_encoder`) when attached
 
-    def encoder_states(self, source: Source) -> torch.Tensor:
-        """(B, S, d_model) its encoder's output for `source`: the verifier's, where it shares that
-        encoder and its weights take them as they are (one dtype, or autocast casting both; a
-        verifier cast to another dtype after attaching is not), else its own encoder's."""
+    def encoding(self, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S, d_model) its encoder's output for `source` and its (B, 1, 1, S) cross-attention
+        mask: the verifier's, where it shares that encoder and its weights take them as they are
+        (one dtype, or autocast casting both; a verifier cast to another dtype after attaching is
+        not), else its own encoder's."""
         states = source.encoder_states
         if self.shares_encoder and (states.dtype == next(self.model.parameters()).dtype
                                     or torch.is_autocast_enabled(states.device.type)):
-            return states
-        return encode(self.model, source.input_ids, source.attention_mask)
+            own = states
+        else:
+            own = encode(self.model, source.input_ids, source.attention_mask)
+        if source.cross_mask is not None and source.cross_mask.dtype == own.dtype:
+            return own, source.cross_mask
+        return own, cross_attention_mask(source.attention_mask, own.dtype)
 
 
 @register("aggressive")
@@ -115,7 +122,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
                                             decode_only=True),
-               "redraft": Option(MISMATCH, Choice((MISMATCH, OUTGROWN)), decode_only=True)}
+               "redraft": Option(MISMATCH, Choice((MISMATCH, OUTGROWN, NEVER)), decode_only=True)}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
@@ -159,15 +166,15 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         nar = drafter.decoder
         clock = Stopwatch(device)
         with clock.timing():
-            nar_states = drafter.encoder_states(source)
-            tokens, lengths, passes = nar.predict_outputs(drafter.model, nar_states, source.attention_mask)
+            nar_states, nar_mask = drafter.encoding(source)
+            tokens, lengths, passes = nar.predict_outputs(drafter.model, nar_states, source.attention_mask,
+                                                          nar_mask)
             padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
             padded[:, : tokens.size(1)] = tokens
             # read back once per decode: the first call's offers, and every later re-draft decision
             # but the paper's, made on the host
             host_lengths = lengths.tolist()
-        return Drafts(nar_states, cross_attention_mask(source.attention_mask, nar_states.dtype), padded,
-                      host_lengths, torch.arange(self.draft_tokens, device=device), clock,
+        return Drafts(nar_states, nar_mask, padded, host_lengths, torch.arange(self.draft_tokens, device=device), clock,
                       passes=max(passes))
 
     def first_draft(self, state: Drafts) -> Draft:
@@ -191,10 +198,11 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         counts, columns = host["count"], state.tokens.size(1)
         lengths = [state.lengths[example] for example in host["example"]]
         disagrees = host.get("disagrees", [False] * len(counts))
-        # drafted again (module docstring): an output that reached its draft's length whatever the
-        # rule, one whose draft disagrees under the paper's; never one at the drafter's bound
+        # drafted again (module docstring): an output that reached its draft's length unless the
+        # rule is never, one whose draft disagrees under the paper's; never one at the drafter's bound
+        outgrowing = self.redraft != NEVER
         rows = [row for row, (count, length) in enumerate(zip(counts, lengths))
-                if count < columns and (count >= length or disagrees[row])]
+                if count < columns and ((outgrowing and count >= length) or disagrees[row])]
         if rows:
             with state.clock.timing():
                 redrafted = self.draft_again(state, verified, rows, [counts[row] for row in rows],
@@ -234,7 +242,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                                     torch.where(positions < lengths_t[:, None], self.special.mask,
                                                 self.special.pad))
         tokens, _ = nar.mask_predict(drafter.model, decoder_input, lengths_t, given_t, passes,
-                                     state.encoder_states[redrafted], state.encoder_mask[redrafted])
+                                     state.encoder_states[redrafted], state.encoder_mask[redrafted],
+                                     confidences=False)
         state.tokens[redrafted, :width] = tokens
         state.redrafts += len(rows)
         state.passes += passes

@@ -279,6 +279,7 @@ class Source:
     input_ids: torch.Tensor       # (B, S) the encoder inputs
     attention_mask: torch.Tensor  # (B, S) 1 on real source tokens
     encoder_states: torch.Tensor  # (B, S, d_model) the verifying model's encoder output
+    cross_mask: torch.Tensor | None = None   # (B, 1, 1, S) its `cross_attention_mask`
 
 
 @dataclass
@@ -484,7 +485,8 @@ class VerifyLoop:
         batch_size, device = input_ids.size(0), input_ids.device
         self.encoder_states = encode(model, input_ids, attention_mask)       # (B, S, d_model), once
         self.cross_mask = cross_attention_mask(attention_mask, self.encoder_states.dtype)  # (B, 1, 1, S)
-        self.state = drafter.begin_drafts(model, Source(input_ids, attention_mask, self.encoder_states))
+        self.state = drafter.begin_drafts(model, Source(input_ids, attention_mask, self.encoder_states,
+                                                        self.cross_mask))
         self.table, self.per_queries = bias_tables(model, self.bound, k, device)
         self.most_slots = self.bound + k        # a live row's count < bound, and it writes k slots
         self.live = LiveRows(batch_size, device)

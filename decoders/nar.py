@@ -266,9 +266,10 @@ class MaskPredictDecoder(Decoder):
         return token_loss + self.length_loss_weight * length_loss
 
     # -- generation ----------------------------------------------------------------------------
-    def _predict(self, model, decoder_input, bias, encoder_states, encoder_mask):
+    def _predict(self, model, decoder_input, bias, encoder_states, encoder_mask, confidences=True):
         """One decoder call -> (tokens, confidences), both (N, W): the most likely token other than
-        the mask token, and its log-probability under the softmax over the WHOLE vocabulary.
+        the mask token, and its log-probability under the softmax over the WHOLE vocabulary (None
+        where `confidences` is False: nobody reads them, and the argmax of the logits is the token).
 
         The log-softmax runs block by block of positions (at most LOG_SOFTMAX_BLOCK values) into
         one reused buffer: it is computed row by row, so the values are bit for bit those of one
@@ -276,6 +277,9 @@ class MaskPredictDecoder(Decoder):
         """
         hidden = self.decoder_hidden(model, decoder_input, bias, encoder_states, encoder_mask)
         logits = at_least_float32(output_logits(model, hidden))                        # (N, W, V)
+        if not confidences:
+            logits[..., self.special.mask] = float("-inf")   # never a label (below)
+            return logits.argmax(-1), None
         flat = logits.flatten(0, 1)                                                    # (N*W, V)
         positions, vocabulary = flat.shape
         rows = min(positions, max(1, LOG_SOFTMAX_BLOCK // vocabulary))
@@ -293,7 +297,7 @@ class MaskPredictDecoder(Decoder):
 
     def mask_predict(self, model, decoder_input: torch.Tensor, lengths: torch.Tensor,
                      given: torch.Tensor | None, passes: int, encoder_states: torch.Tensor,
-                     encoder_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     encoder_mask: torch.Tensor, confidences: bool = True):
         """Mask-Predict of rows of lengths L, in `passes` decoder calls (host int: what the row with
         the most free positions needs, `mask_predict_passes`), the first `given` positions of each
         row fixed (None: none are; a drafter re-drafting after a verified prefix gives them).
@@ -301,7 +305,8 @@ class MaskPredictDecoder(Decoder):
         decoder_input: (N, W) the given tokens before `given`, the mask token at the free positions
         given..L-1 and padding after; lengths, given: (N,); encoder_states: (N, S, d_model);
         encoder_mask: its (N, 1, 1, S) `cross_attention_mask`. -> tokens (N, W) (given tokens kept,
-        padding after L) and confidences (N, W), meaningful at the free positions.
+        padding after L) and confidences (N, W), meaningful at the free positions (None where
+        `confidences` is False and one pass is all: only later iterations read them).
         """
         width = decoder_input.size(1)
         positions = torch.arange(width, device=decoder_input.device)[None, :]
@@ -310,7 +315,8 @@ class MaskPredictDecoder(Decoder):
         bias = self_attention_bias(model, valid)  # (N, heads, W, W): the same for every iteration
 
         # iteration 0: every free position predicted in one pass
-        tokens, confidence = self._predict(model, decoder_input, bias, encoder_states, encoder_mask)
+        tokens, confidence = self._predict(model, decoder_input, bias, encoder_states, encoder_mask,
+                                           confidences or passes > 1)
         tokens = torch.where(free, tokens, decoder_input)  # given tokens and padding stay as given
         for t in range(1, passes):  # the later iterations would re-mask nothing
             remask = tokens_to_remask(confidence, lengths, t, self.iterations, given)     # (N, W)
@@ -322,20 +328,26 @@ class MaskPredictDecoder(Decoder):
             confidence = torch.where(remask, new_confidence, confidence)
         return tokens, confidence
 
-    def predict_outputs(self, model, encoder_states: torch.Tensor, attention_mask: torch.Tensor):
-        """Every example's output, from the encoder's states (B, S, d_model) and mask (B, S): the
-        chosen candidate's tokens (B, W) and length L (B,), both on the device, and the passes each
-        example's candidates need (host ints, see the module docstring)."""
+    def predict_outputs(self, model, encoder_states: torch.Tensor, attention_mask: torch.Tensor,
+                        cross_mask: torch.Tensor | None = None):
+        """Every example's output, from the encoder's states (B, S, d_model) and mask (B, S) (and
+        its (B, 1, 1, S) `cross_attention_mask`, where the caller has it): the chosen candidate's
+        tokens (B, W) and length L (B,), both on the device, and the passes each example's
+        candidates need (host ints, see the module docstring)."""
         batch_size, device = encoder_states.size(0), encoder_states.device
         k = self.length_candidates
-        # top-k lengths; a stable descending sort makes equal scores prefer the shorter length
         length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_new_tokens)
-        order = torch.sort(length_scores, dim=1, descending=True, stable=True).indices
-        # (N = B*k,): the k candidates of example 0, then those of example 1, ...
-        lengths = (order[:, :k] + 1).reshape(-1)
-        encoder_states = encoder_states.repeat_interleave(k, dim=0)         # (N, S, d_model)
-        encoder_mask = cross_attention_mask(attention_mask.repeat_interleave(k, dim=0),
-                                            encoder_states.dtype)           # (N, 1, 1, S), once
+        if cross_mask is None:
+            cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)  # once
+        if k == 1:   # one candidate each: the most likely length (the shorter one on equal scores)
+            lengths = length_scores.argmax(1) + 1                              # (B,)
+        else:
+            # top-k lengths; a stable descending sort makes equal scores prefer the shorter length
+            order = torch.sort(length_scores, dim=1, descending=True, stable=True).indices
+            # (N = B*k,): the k candidates of example 0, then those of example 1, ...
+            lengths = (order[:, :k] + 1).reshape(-1)
+            encoder_states = encoder_states.repeat_interleave(k, dim=0)     # (N, S, d_model)
+            cross_mask = cross_mask.repeat_interleave(k, dim=0)             # (N, 1, 1, S)
 
         # The one read-back before decoding: the width and every pass's re-mask counts follow from
         # the lengths alone, so the loop below needs no other.
@@ -346,8 +358,9 @@ class MaskPredictDecoder(Decoder):
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]    # (N, W)
         mask_input = torch.where(valid, self.special.mask, self.special.pad)     # (N, W)
         tokens, confidence = self.mask_predict(model, mask_input, lengths, None, max(calls),
-                                               encoder_states, encoder_mask)
-
+                                               encoder_states, cross_mask, confidences=k > 1)
+        if k == 1:
+            return tokens, lengths, calls
         # the candidate with the highest mean log-probability (first, i.e. most likely length, on ties)
         mean_log_prob = (confidence.masked_fill(~valid, 0.0).sum(1) / lengths).view(batch_size, k)
         best = mean_log_prob.argmax(1) + torch.arange(batch_size, device=device) * k      # (B,) row in N

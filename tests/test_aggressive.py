@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from decoders import build_decoder
-from decoders.aggressive import MISMATCH, OUTGROWN
+from decoders.aggressive import MISMATCH, NEVER, OUTGROWN
 from decoders.backbone import output_logits
 from decoders.nar import MaskPredictDecoder, tokens_to_remask
 from decoders.transformers_internals import shift_right
@@ -65,14 +65,15 @@ class ScriptedDrafter(MaskPredictDecoder):
         self.first, self.later = first, later
         self.redraft_prefixes = []  # (source, given tokens) of every re-drafted row
 
-    def predict_outputs(self, model, encoder_states, attention_mask):
+    def predict_outputs(self, model, encoder_states, attention_mask, cross_mask=None):
         drafts = [self.first[source_of(states)] for states in encoder_states]
         width = max(len(draft) for draft in drafts)
         tokens = torch.tensor([draft + [SPECIAL.pad] * (width - len(draft)) for draft in drafts])
         lengths = torch.tensor([len(draft) for draft in drafts])
         return tokens, lengths, [self.iterations] * len(drafts)
 
-    def mask_predict(self, model, decoder_input, lengths, given, passes, encoder_states, encoder_mask):
+    def mask_predict(self, model, decoder_input, lengths, given, passes, encoder_states, encoder_mask,
+                     confidences=True):
         tokens = decoder_input.clone()
         for row, states in enumerate(encoder_states):
             source, prefix, length = source_of(states), int(given[row]), int(lengths[row])
@@ -102,7 +103,7 @@ def corrupted(tokens, positions):
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 8])
-@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN])
+@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN, NEVER])
 def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens, redraft):
     model, drafter_model = tiny_t5(0), tiny_t5(7)
     drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_new_tokens=BOUND).eval()
@@ -186,6 +187,33 @@ def test_drafts_past_the_end_token_and_drafts_cut_short():
     redrafted = {source for source, _ in drafter.redraft_prefixes}
     sources = list(drafter.later)
     assert all(sources[i] not in redrafted for i in range(0, 8, 2))  # long drafts never run out
+
+
+def test_with_redraft_never_the_drafter_drafts_once_and_the_verifier_goes_on_alone_past_it():
+    """Odd rows' drafts stop 2 tokens early, even rows' run past the end token, every drafted token
+    right: with `redraft=never` no row is drafted again, a call takes a row's offered tokens and
+    one more while its draft lasts, and past the draft's end one token."""
+    draft_tokens = 4
+
+    def first_draft(i, g):
+        return g + [JUNK] * 4 if i % 2 == 0 else g[: max(1, len(g) - 2)]
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 4, first_draft)
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=draft_tokens, redraft=NEVER).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
+    assert_consistent_telemetry(out, draft_tokens)
+    assert out.stats["redrafts"] == 0 and drafter.redraft_prefixes == []
+    assert out.stats["drafter_passes"] == drafter.iterations
+
+    def calls(length: int, drafted: int) -> int:
+        produced = made = 0
+        while produced < length:
+            produced += min(max(drafted - produced, 0), draft_tokens) + 1
+            made += 1
+        return made
+    drafted = [len(first_draft(i, g)) for i, g in enumerate(greedy)]
+    assert out.decoder_calls == [calls(len(g), d) for g, d in zip(greedy, drafted)]
+    assert any(d < len(g) for g, d in zip(greedy, drafted)), "some row outgrows its draft"
 
 
 def test_alone_equals_batched():

@@ -188,6 +188,24 @@ def test_confidences_are_bit_for_bit_todays_log_softmax(dtype, rows_per_block, m
     assert torch.equal(tokens, expected_tokens) and torch.equal(confidence, expected_confidence)
 
 
+def test_a_pass_without_confidences_gives_the_same_tokens(monkeypatch):
+    """A pass whose confidences nobody reads (`confidences=False`) takes the argmax of the logits
+    with the mask token excluded: the tokens of the log-softmax pass, where the mask token leads
+    too, and no confidences."""
+    model = tiny_t5(0).double()
+    decoder = make(model, max_new_tokens=12)
+    args = one_pass(model)
+    with torch.no_grad():
+        logits = output_logits(model, decoder.decoder_hidden(model, *args))             # (N, W, V)
+    logits[:, ::2, SPECIAL.mask] = logits[:, ::2].amax(-1) + 0.5
+    monkeypatch.setattr(nar, "output_logits", lambda model, hidden: logits.clone())
+    with torch.no_grad():
+        expected, _ = decoder._predict(model, *args)
+        tokens, confidence = decoder._predict(model, *args, confidences=False)
+    assert torch.equal(tokens, expected) and confidence is None
+    assert (tokens != SPECIAL.mask).all()
+
+
 def test_one_vocabulary_sized_tensor_and_one_block_buffer_per_pass(monkeypatch):
     """The tensors with a vocabulary axis that a pass allocates: the (N, W, V) logits and ONE
     block buffer, reused by every block (a log-softmax of all logits would be a second (N, W, V)
