@@ -116,7 +116,8 @@ case "${1:-}" in
             trainer.enable_progress_bar=false ;;
     aggressive-distilled)  # S: the sequential checkpoint; N: its drafter (aggressive-drafter S)
         python -m tasks.bench.gpu_benchmark --ckpt "sequential=$2" --ckpt "aggressive=$2" \
-            --ckpt "aggressive(redraft=outgrown)=$2" --ckpt "aggressive(redraft=outgrown,draft_tokens=4)=$2" \
+            --ckpt "aggressive(redraft=outgrown)=$2" --ckpt "aggressive(redraft=never)=$2" \
+            --ckpt "aggressive(redraft=never,draft_tokens=4)=$2" \
             --drafter "$3" --batch-sizes 1,16 --precision fp32 --repeats 9 --examples 100 --threads 1 \
             --out results/builtin_keyphrase_aggressive_shared_encoder.json ;;
     onestep)
