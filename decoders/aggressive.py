@@ -31,8 +31,8 @@ the verifier's top-k tokens there): faster, no longer exact.
 Host syncs: the loop's one per verifier call, which under the paper's rule also reads back which
 rows' drafts disagree with the verifier (`host_values`; the rest of the re-draft decision and the
 shapes of its pass follow from host values); once per decode, the drafter's own encoder's (unless it
-shares the verifier's), its predicted lengths (the shapes of its first pass) and its draft's lengths
-(the first call's offers).
+shares the verifier's) and its predicted lengths (the shapes of its first pass, and the first call's
+offers; a drafter with several length candidates reads its chosen ones back once more).
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
 accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
 seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
@@ -167,15 +167,17 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         clock = Stopwatch(device)
         with clock.timing():
             nar_states, nar_mask = drafter.encoding(source)
-            tokens, lengths, passes = nar.predict_outputs(drafter.model, nar_states, source.attention_mask,
-                                                          nar_mask)
+            predicted = nar.predict_outputs(drafter.model, nar_states, source.attention_mask, nar_mask)
+            tokens = predicted.tokens
             padded = tokens.new_full((len(tokens), nar.max_new_tokens), self.special.pad)
             padded[:, : tokens.size(1)] = tokens
-            # read back once per decode: the first call's offers, and every later re-draft decision
-            # but the paper's, made on the host
-            host_lengths = lengths.tolist()
+            # on the host: the first call's offers, and every later re-draft decision but the
+            # paper's, made there; read back once more only where several length candidates were
+            # drafted (the drafter read back all of theirs, not which one each example chose)
+            host_lengths = (predicted.host_lengths if predicted.host_lengths is not None
+                            else predicted.lengths.tolist())
         return Drafts(nar_states, nar_mask, padded, host_lengths, torch.arange(self.draft_tokens, device=device), clock,
-                      passes=max(passes))
+                      passes=max(predicted.passes))
 
     def first_draft(self, state: Drafts) -> Draft:
         # the draft's first m tokens, verified by the first call (a draft shorter than m offers

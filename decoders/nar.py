@@ -58,6 +58,7 @@ embeddings. That is why this decoder adds a learned absolute position table to i
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,16 @@ def sample_training_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 # float32): a twelfth of the (N, W, V) logits at N=32, W=96 and T5's 32k vocabulary, one block for
 # small batches. Smaller blocks save little more and cost more kernel launches per pass on a GPU.
 LOG_SOFTMAX_BLOCK = 2 ** 23
+
+
+class PredictedOutputs(NamedTuple):
+    """`MaskPredictDecoder.predict_outputs`: every example's chosen candidate."""
+
+    tokens: torch.Tensor              # (B, W) its tokens, padding after its length
+    lengths: torch.Tensor             # (B,) its length L, on the device
+    passes: list[int]                 # host: the decoder passes the example's candidates needed
+    host_lengths: list[int] | None    # host: `lengths`, where the one read-back before decoding
+                                      # already holds them (one candidate each); None: not read
 
 
 # ---- the decoder ----------------------------------------------------------------------------------
@@ -331,9 +342,9 @@ class MaskPredictDecoder(Decoder):
     def predict_outputs(self, model, encoder_states: torch.Tensor, attention_mask: torch.Tensor,
                         cross_mask: torch.Tensor | None = None):
         """Every example's output, from the encoder's states (B, S, d_model) and mask (B, S) (and
-        its (B, 1, 1, S) `cross_attention_mask`, where the caller has it): the chosen candidate's
-        tokens (B, W) and length L (B,), both on the device, and the passes each example's
-        candidates need (host ints, see the module docstring)."""
+        its (B, 1, 1, S) `cross_attention_mask`, where the caller has it): `PredictedOutputs`, the
+        chosen candidate's tokens and length on the device, the passes each example's candidates
+        need (see the module docstring), and with one candidate each its length on the host too."""
         batch_size, device = encoder_states.size(0), encoder_states.device
         k = self.length_candidates
         length_scores = self.length_logits(encoder_states, attention_mask)  # (B, max_new_tokens)
@@ -360,16 +371,16 @@ class MaskPredictDecoder(Decoder):
         tokens, confidence = self.mask_predict(model, mask_input, lengths, None, max(calls),
                                                encoder_states, cross_mask, confidences=k > 1)
         if k == 1:
-            return tokens, lengths, calls
+            return PredictedOutputs(tokens, lengths, calls, candidate_lengths)
         # the candidate with the highest mean log-probability (first, i.e. most likely length, on ties)
         mean_log_prob = (confidence.masked_fill(~valid, 0.0).sum(1) / lengths).view(batch_size, k)
         best = mean_log_prob.argmax(1) + torch.arange(batch_size, device=device) * k      # (B,) row in N
-        return tokens[best], lengths[best], calls
+        return PredictedOutputs(tokens[best], lengths[best], calls, None)
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
         encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
-        tokens, lengths, calls = self.predict_outputs(model, encoder_states, attention_mask)
+        tokens, lengths, calls, _ = self.predict_outputs(model, encoder_states, attention_mask)
         chosen = torch.cat([lengths[:, None], tokens], dim=1).tolist()    # the results' one read-back
 
         outputs = [chosen_tokens[:length] for length, *chosen_tokens in chosen]

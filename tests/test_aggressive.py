@@ -12,8 +12,9 @@ from torch import nn
 
 from decoders import build_decoder
 from decoders.aggressive import MISMATCH, NEVER, OUTGROWN
-from decoders.backbone import output_logits
-from decoders.nar import MaskPredictDecoder, tokens_to_remask
+from decoders.backbone import encode, output_logits
+from decoders.drafts import Source
+from decoders.nar import MaskPredictDecoder, PredictedOutputs, tokens_to_remask
 from decoders.transformers_internals import shift_right
 from tests.conftest import (SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, greedy_outputs,
                             random_batch, sequential, tiny_t5)
@@ -69,8 +70,8 @@ class ScriptedDrafter(MaskPredictDecoder):
         drafts = [self.first[source_of(states)] for states in encoder_states]
         width = max(len(draft) for draft in drafts)
         tokens = torch.tensor([draft + [SPECIAL.pad] * (width - len(draft)) for draft in drafts])
-        lengths = torch.tensor([len(draft) for draft in drafts])
-        return tokens, lengths, [self.iterations] * len(drafts)
+        lengths = [len(draft) for draft in drafts]
+        return PredictedOutputs(tokens, torch.tensor(lengths), [self.iterations] * len(drafts), lengths)
 
     def mask_predict(self, model, decoder_input, lengths, given, passes, encoder_states, encoder_mask,
                      confidences=True):
@@ -112,6 +113,25 @@ def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens, redr
         model, input_ids, attention_mask)
     assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
     assert_consistent_telemetry(out, draft_tokens)
+
+
+def test_a_drafter_with_several_length_candidates_drafts_its_chosen_ones():
+    """With two length candidates per example the drafter reads back which one each example chose
+    (one sync more per decode); the first call's offers are the chosen drafts' lengths, and the
+    output stays greedy."""
+    model, drafter_model = tiny_t5(0), tiny_t5(7)
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=2, length_candidates=2,
+                            max_new_tokens=BOUND).eval()
+    input_ids, attention_mask = random_batch(8, seed=3)
+    decoder = aggressive(model, drafter, drafter_model, draft_tokens=3, redraft=NEVER)
+    with torch.no_grad():
+        chosen = drafter.predict_outputs(drafter_model, encode(drafter_model, input_ids, attention_mask),
+                                         attention_mask)
+        state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None))
+    assert chosen.host_lengths is None and state.lengths == chosen.lengths.tolist()
+    assert len(set(state.lengths)) > 1, "examples of different draft lengths"
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, sequential(model, BOUND).generate(model, input_ids, attention_mask))
 
 
 @pytest.mark.parametrize("draft_tokens", [2, 4])
