@@ -176,8 +176,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             # drafted (the drafter read back all of theirs, not which one each example chose)
             host_lengths = (predicted.host_lengths if predicted.host_lengths is not None
                             else predicted.lengths.tolist())
-        return Drafts(nar_states, nar_mask, padded, host_lengths, torch.arange(self.draft_tokens, device=device), clock,
-                      passes=max(predicted.passes))
+        return Drafts(nar_states, nar_mask, padded, host_lengths,
+                      torch.arange(self.draft_tokens, device=device), clock, passes=max(predicted.passes))
 
     def first_draft(self, state: Drafts) -> Draft:
         # the draft's first m tokens, verified by the first call (a draft shorter than m offers

@@ -308,7 +308,8 @@ class MaskPredictDecoder(Decoder):
 
     def mask_predict(self, model, decoder_input: torch.Tensor, lengths: torch.Tensor,
                      given: torch.Tensor | None, passes: int, encoder_states: torch.Tensor,
-                     encoder_mask: torch.Tensor, confidences: bool = True):
+                     encoder_mask: torch.Tensor,
+                     confidences: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mask-Predict of rows of lengths L, in `passes` decoder calls (host int: what the row with
         the most free positions needs, `mask_predict_passes`), the first `given` positions of each
         row fixed (None: none are; a drafter re-drafting after a verified prefix gives them).
