@@ -25,11 +25,11 @@
 #                                                # its backbone frozen (train.init_from)
 #   tasks/bench/run_benchmarks.sh nar-distilled S    # NAR trained on distilled data; S = the sequential
 #                                                # checkpoint of the keyphrase step (its teacher)
-#   tasks/bench/run_benchmarks.sh aggressive-drafter S # fit aggressive's drafter on keyphrase sequential
-#                                                # checkpoint S: a nar model on S's outputs for 10,000
-#                                                # sources, from S's weights, its encoder frozen
-#   tasks/bench/run_benchmarks.sh aggressive-distilled S N # aggressive on S with that drafter N, beside
-#                                                # sequential (decode-only, one thread)
+#   tasks/bench/run_benchmarks.sh aggressive-drafter TASK S # fit aggressive's drafter on sequential
+#                                                # checkpoint S of built-in TASK: a nar model on S's outputs
+#                                                # for 10,000 sources, from S's weights, its encoder frozen
+#   tasks/bench/run_benchmarks.sh aggressive-distilled TASK S N # aggressive on S with that drafter N,
+#                                                # beside sequential (decode-only, one thread)
 #   tasks/bench/run_benchmarks.sh onestep TASK S     # the one-call decoders (nar with 1 iteration, onestep
 #                                                # on S's frozen backbone) beside sequential checkpoint S
 #   tasks/bench/run_benchmarks.sh prototokens TASK S # Mezentsev & Oseledets' proto-token experiment on S
@@ -107,19 +107,19 @@ case "${1:-}" in
         # sequential is trained on the distilled data too (a --ckpt of S would be refused: other data)
         python -m tasks.compare --task keyphrase --decoders sequential,nar $SWEEP $SPEED \
             data=jsonl data.path="$DISTILLED" --out results/builtin_keyphrase_nar_distilled.json ;;
-    aggressive-drafter)  # S: a keyphrase sequential checkpoint; prints the drafter's checkpoint
-        DISTILLED=".cache/distilled/builtin_keyphrase_10000_$(sha1sum "$2" | cut -c1-12)"
-        [ -d "$DISTILLED" ] || python -m tasks.experiments.distill --ckpt "$2" --out "$DISTILLED" \
+    aggressive-drafter)  # TASK, S: its sequential checkpoint; prints the drafter's checkpoint
+        DISTILLED=".cache/distilled/builtin_$2_10000_$(sha1sum "$3" | cut -c1-12)"
+        [ -d "$DISTILLED" ] || python -m tasks.experiments.distill --ckpt "$3" --out "$DISTILLED" \
             data.train_size=10000
-        python -m tasks.fit --task keyphrase --decoder nar data=jsonl data.path="$DISTILLED" \
-            train.init_from="$2" decoder.iterations=1 decoder.freeze_encoder=true \
+        python -m tasks.fit --task "$2" --decoder nar data=jsonl data.path="$DISTILLED" \
+            train.init_from="$3" decoder.iterations=1 decoder.freeze_encoder=true \
             trainer.enable_progress_bar=false ;;
-    aggressive-distilled)  # S: the sequential checkpoint; N: its drafter (aggressive-drafter S)
-        python -m tasks.bench.gpu_benchmark --ckpt "sequential=$2" --ckpt "aggressive=$2" \
-            --ckpt "aggressive(redraft=outgrown)=$2" --ckpt "aggressive(redraft=never)=$2" \
-            --ckpt "aggressive(redraft=never,draft_tokens=4)=$2" \
-            --drafter "$3" --batch-sizes 1,16 --precision fp32 --repeats 9 --examples 100 --threads 1 \
-            --out results/builtin_keyphrase_aggressive_shared_encoder.json ;;
+    aggressive-distilled)  # TASK, S: its sequential checkpoint; N: its drafter (aggressive-drafter TASK S)
+        python -m tasks.bench.gpu_benchmark --ckpt "sequential=$3" --ckpt "aggressive=$3" \
+            --ckpt "aggressive(redraft=outgrown)=$3" --ckpt "aggressive(redraft=never)=$3" \
+            --ckpt "aggressive(redraft=never,draft_tokens=4)=$3" \
+            --drafter "$4" --batch-sizes 1,16 --precision fp32 --repeats 9 --examples 100 --threads 1 \
+            --out "results/builtin_$2_aggressive_shared_encoder.json" ;;
     onestep)
         python -m tasks.compare --task "$2" --decoders sequential,nar,onestep --ckpt "sequential=$3" \
             --sweep decoder.iterations=1 $SPEED --out "results/builtin_$2_onestep.json" ;;
