@@ -22,7 +22,11 @@ Algorithm.
        With `redraft` = "outgrown" a rejected draft is not drafted again: its later tokens are
        offered as they are (right wherever the drafter only got a token wrong, not the length of
        what precedes), and only a draft the output has outgrown is. With `redraft` = "never" the
-       drafter drafts once per decode: past its draft's end a row's verifier goes on alone. Each
+       drafter drafts once per decode: past its draft's end a row's verifier goes on alone. With
+       "realign" it drafts once too, and a rejected draft is re-aligned instead, on the host: the
+       verifier's own token is looked up in the draft within `draft_tokens` places of its index,
+       and the draft goes on after the nearest occurrence (a word the drafter left in or out no
+       longer shifts the rest), as Ge et al.'s input-guided drafts re-align with their input. Each
        trades verifier calls for drafter passes; the paper's rule ("mismatch") is the default.
 With `top_k` = 1 the output is exactly sequential greedy decoding of the verifier, whatever the
 drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token passes if it is among
@@ -32,7 +36,8 @@ Host syncs: the loop's one per verifier call, which under the paper's rule also 
 rows' drafts disagree with the verifier (`host_values`; the rest of the re-draft decision and the
 shapes of its pass follow from host values); once per decode, the drafter's own encoder's (unless it
 shares the verifier's) and its predicted lengths (the shapes of its first pass, and the first call's
-offers; a drafter with several length candidates reads its chosen ones back once more).
+offers; a drafter with several length candidates reads its chosen ones back once more); with
+"realign", its draft's tokens, which then stay on the host.
 Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
 accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
 seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
@@ -50,15 +55,16 @@ from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode, same_encoder
 from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
-from decoders.loop import Stopwatch, send
+from decoders.loop import Stopwatch, read_back, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
 
 
 # When the drafter drafts again (the option `redraft`): wherever the verifier rejects a draft token,
 # as Ge et al. do, only where the verified output has outgrown the draft, or never (one draft per
-# decode: a pass of the drafter costs more than the verifier calls a short re-draft saves).
-MISMATCH, OUTGROWN, NEVER = "mismatch", "outgrown", "never"
+# decode: a pass of the drafter costs more than the verifier calls a short re-draft saves), a
+# rejected draft offered as it is or re-aligned with the verifier's token (module docstring).
+MISMATCH, OUTGROWN, NEVER, REALIGN = "mismatch", "outgrown", "never", "realign"
 
 
 @dataclass
@@ -74,6 +80,10 @@ class Drafts:
     clock: Stopwatch              # the time the drafter takes: its first draft and re-drafts
     redrafts: int = 0             # rows drafted again
     passes: int = 0               # the drafter's decoder passes
+    # `realign` only (else None), on the host: each example's draft, and how far its draft index
+    # lies past its output index (changed where a rejected draft is re-aligned)
+    host_tokens: list[list[int]] | None = None
+    shifts: list[int] | None = None
 
 
 @dataclass
@@ -122,7 +132,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
                                             decode_only=True),
-               "redraft": Option(MISMATCH, Choice((MISMATCH, OUTGROWN, NEVER)), decode_only=True)}
+               "redraft": Option(MISMATCH, Choice((MISMATCH, OUTGROWN, NEVER, REALIGN)), decode_only=True)}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
@@ -176,8 +186,13 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             # drafted (the drafter read back all of theirs, not which one each example chose)
             host_lengths = (predicted.host_lengths if predicted.host_lengths is not None
                             else predicted.lengths.tolist())
-        return Drafts(nar_states, nar_mask, padded, host_lengths,
-                      torch.arange(self.draft_tokens, device=device), clock, passes=max(predicted.passes))
+        state = Drafts(nar_states, nar_mask, padded, host_lengths,
+                       torch.arange(self.draft_tokens, device=device), clock, passes=max(predicted.passes))
+        if self.redraft == REALIGN:   # the draft's one read-back: it is re-aligned on the host
+            drafted, = read_back(tokens)
+            state.host_tokens = [row[:length] for row, length in zip(drafted, host_lengths)]
+            state.shifts = [0] * len(host_lengths)
+        return state
 
     def first_draft(self, state: Drafts) -> Draft:
         # the draft's first m tokens, verified by the first call (a draft shorter than m offers
@@ -197,6 +212,8 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         return {"disagrees": (drafted != verified.next_token).view(-1)}
 
     def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
+        if self.redraft == REALIGN:
+            return self.realigned(state, host)
         counts, columns = host["count"], state.tokens.size(1)
         lengths = [state.lengths[example] for example in host["example"]]
         disagrees = host.get("disagrees", [False] * len(counts))
@@ -217,6 +234,25 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
         indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m)
         return Draft(state.tokens[verified.origin, indices],
                      offered=[min(max(length - count, 0), m) for length, count in zip(lengths, counts)])
+
+    def realigned(self, state: Drafts, host: dict[str, list[int]]) -> Draft:
+        """`realign`'s drafts, on the host: each row's draft after the place that holds its newest
+        token, the verifier's own. That is its index plus the example's shift while the draft agrees
+        there; where it does not, the nearest place within `draft_tokens` of it that holds the
+        token (the earlier of two as near), which moves the shift; where none does, the draft goes
+        on as it is."""
+        m, drafts = self.draft_tokens, []
+        for example, token, count in zip(host["example"], host["next_token"], host["count"]):
+            draft, aligned = state.host_tokens[example], count - 1 + state.shifts[example]
+            at = aligned
+            if not (0 <= aligned < len(draft) and draft[aligned] == token):
+                near = [j for j in range(max(0, aligned - m), min(len(draft), aligned + m + 1))
+                        if draft[j] == token]
+                if near:
+                    at = min(near, key=lambda j: abs(j - aligned))
+                    state.shifts[example] += at - aligned
+            drafts.append(draft[at + 1: at + 1 + m])
+        return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)
 
     def draft_again(self, state: Drafts, verified: Verified, rows: list[int], given: list[int],
                     lengths: list[int]) -> list[int]:

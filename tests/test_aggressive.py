@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from decoders import build_decoder
-from decoders.aggressive import MISMATCH, NEVER, OUTGROWN
+from decoders.aggressive import MISMATCH, NEVER, OUTGROWN, REALIGN
 from decoders.backbone import encode, output_logits
 from decoders.drafts import Source
 from decoders.nar import MaskPredictDecoder, PredictedOutputs, tokens_to_remask
@@ -104,7 +104,7 @@ def corrupted(tokens, positions):
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 8])
-@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN, NEVER])
+@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN, NEVER, REALIGN])
 def test_matches_sequential_with_a_random_drafter(batch_size, draft_tokens, redraft):
     model, drafter_model = tiny_t5(0), tiny_t5(7)
     drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=3, max_new_tokens=BOUND).eval()
@@ -234,6 +234,36 @@ def test_with_redraft_never_the_drafter_drafts_once_and_the_verifier_goes_on_alo
     drafted = [len(first_draft(i, g)) for i, g in enumerate(greedy)]
     assert out.decoder_calls == [calls(len(g), d) for g, d in zip(greedy, drafted)]
     assert any(d < len(g) for g, d in zip(greedy, drafted)), "some row outgrows its draft"
+
+
+def test_with_redraft_realign_a_draft_with_a_token_too_many_is_realigned_past_it():
+    """Example r's draft is its greedy output with one wrong token put in at index i = r % m + 1:
+    with `redraft=realign` no row is drafted again; the call that rejects it finds the verifier's
+    token one place on and the draft goes on from there, so a row's first call stops at the wrong
+    token and every later call takes m + 1 tokens (where the verifier's token is not also just
+    before it); offered as it is (`never`), the draft is one place off and takes more calls."""
+    m = 3
+
+    def inserted(r, g):
+        i = r % m + 1
+        return g[:i] + [JUNK if g[min(i, len(g) - 1)] != JUNK else JUNK + 1] + g[i:]
+    model, input_ids, attention_mask, greedy, drafter = scripted_case(8, 11, inserted)
+    reference = sequential(model, BOUND).generate(model, input_ids, attention_mask)
+    out = aggressive(model, drafter, SourceEcho(), draft_tokens=m, redraft=REALIGN).generate(
+        model, input_ids, attention_mask)
+    assert_same_output(out, reference)
+    assert_consistent_telemetry(out, m)
+    assert out.stats["redrafts"] == 0 and drafter.redraft_prefixes == []
+
+    def realigned_calls(g, i):   # the first call keeps g[:i + 1], then m + 1 tokens a call
+        return 1 + -(-(len(g) - i - 1) // (m + 1))
+    cases = [(r, g, r % m + 1) for r, g in enumerate(greedy)]
+    clear = [(r, g, i) for r, g, i in cases if len(g) > i + 1 and g[i] not in g[max(0, i - m):i]]
+    assert len(clear) >= 2, "rows long enough, the verifier's token not just before the wrong one"
+    assert [out.decoder_calls[r] for r, _, _ in clear] == [realigned_calls(g, i) for _, g, i in clear]
+    as_it_is = aggressive(model, drafter, SourceEcho(), draft_tokens=m, redraft=NEVER).generate(
+        model, input_ids, attention_mask)
+    assert sum(out.decoder_calls) < sum(as_it_is.decoder_calls)
 
 
 def test_alone_equals_batched():

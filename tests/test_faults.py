@@ -300,7 +300,7 @@ DECODER_BAD_VALUES = [
     ("aggressive", "decoder.drafter_iterations=0", "decoder.drafter_iterations must be an integer >= 1 or null (null: the drafter's own "
                                "iterations), got 0"),
     ("aggressive", "decoder.redraft=always",
-     "decoder.redraft must be one of 'mismatch', 'outgrown', 'never', got 'always'"),
+     "decoder.redraft must be one of 'mismatch', 'outgrown', 'never', 'realign', got 'always'"),
     ("nar", "decoder.iterations=0", "decoder.iterations must be an integer >= 1, got 0"),
     ("nar", "decoder.length_candidates=0",
      "decoder.length_candidates must be an integer >= 1 and <= decoder.max_new_tokens (40), got 0"),

@@ -117,7 +117,7 @@ case "${1:-}" in
     aggressive-distilled)  # TASK, S: its sequential checkpoint; N: its drafter (aggressive-drafter TASK S)
         python -m tasks.bench.gpu_benchmark --ckpt "sequential=$3" --ckpt "aggressive=$3" \
             --ckpt "aggressive(redraft=outgrown)=$3" --ckpt "aggressive(redraft=never)=$3" \
-            --ckpt "aggressive(redraft=never,draft_tokens=4)=$3" \
+            --ckpt "aggressive(redraft=realign)=$3" --ckpt "aggressive(redraft=realign,draft_tokens=4)=$3" \
             --drafter "$4" --batch-sizes 1,16 --precision fp32 --repeats 9 --examples 100 --threads 1 \
             --out "results/builtin_$2_aggressive_shared_encoder.json" ;;
     onestep)
