@@ -57,8 +57,8 @@ tokens after that count, as sequential decoding's cache does, and every row read
 of a table made once per weights (`bias_tables`): no per-row index.
 
 Host syncs: one per call, plus the final read-back of the outputs, plus what a drafter reads once
-per decode (aggressive's drafter: its own encoder unless it shares the verifier's, and its predicted
-lengths; lookup: the sources).
+per decode (aggressive's drafter: its own encoder unless it shares the verifier's, its predicted
+lengths, and under `realign` its draft; lookup: the sources).
 """
 from __future__ import annotations
 

@@ -266,6 +266,22 @@ def test_with_redraft_realign_a_draft_with_a_token_too_many_is_realigned_past_it
     assert sum(out.decoder_calls) < sum(as_it_is.decoder_calls)
 
 
+@pytest.mark.parametrize("redraft", [MISMATCH, OUTGROWN, NEVER, REALIGN])
+def test_host_syncs_per_decode_under_every_redraft_rule(redraft):
+    """Beside one sync per verifier call: the verifier's encoder and the final read-back, the
+    drafter's own encoder and its predicted lengths, and under `realign` its draft, read once to be
+    re-aligned on the host. A re-draft's decision and shapes come from host values: no sync."""
+    from tasks.bench.sync_points import counting_sync_points
+    model, drafter_model = tiny_t5(0), tiny_t5(7)
+    drafter = build_decoder("nar", drafter_model.config, SPECIAL, iterations=1, max_new_tokens=BOUND).eval()
+    input_ids, attention_mask = random_batch(8, seed=3)
+    decoder = aggressive(model, drafter, drafter_model, draft_tokens=3, redraft=redraft)
+    with torch.no_grad(), counting_sync_points() as counter:
+        out = decoder.generate(model, input_ids, attention_mask)
+    assert out.stats["redrafts"] > 0 or redraft in (NEVER, REALIGN)
+    assert counter.count <= out.batch_decoder_calls + 4 + (redraft == REALIGN), counter.count
+
+
 def test_alone_equals_batched():
     model, input_ids, attention_mask, greedy, drafter = scripted_case(
         6, 5, lambda i, g: corrupted(g, {i % 3 + 1}))
