@@ -362,10 +362,11 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
 
     def host_values(self, state: DraftState, verified: Verified) -> dict[str, torch.Tensor] | None:
         """What the next `draft` needs on the host, by name: (live,) longs for every row of the call,
-        read back with the call's one host sync (aggressive: which rows to draft again, and their
-        shapes), beside what the loop reads there anyway (`LOOP_HOST_VALUES`). A dict, even an empty
-        one: the drafter drafts after the sync, from host values (lookup). None (the default): it
-        needs nothing there, and drafts on the device before the sync (blockwise)."""
+        read back with the call's one host sync (aggressive under the paper's rule: which rows'
+        drafts disagree with the model's token), beside what the loop reads there anyway
+        (`LOOP_HOST_VALUES`). A dict, even an empty one: the drafter drafts after the sync, from
+        host values (lookup; aggressive). None (the default): it needs nothing there, and drafts
+        on the device before the sync (blockwise)."""
         return None
 
     @abc.abstractmethod
