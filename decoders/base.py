@@ -58,7 +58,7 @@ class DecodeOutput:
     subsequences: list[list[list[int]]]  # [example][subsequence] -> token ids, end/separator tokens removed
     decoder_calls: list[int]             # decoder forward passes the example took part in
     tokens: list[int]                    # tokens the decoder produced for the example (end tokens included)
-    hit_max_steps: list[bool]            # stopped by a length/step bound rather than by its own end token
+    bound_hit: list[bool]            # stopped by a length/step bound rather than by its own end token
     batch_decoder_calls: int             # decoder forward passes for the whole batch
     stats: dict[str, float] = field(default_factory=dict)  # decoder-specific counters (summed over the batch)
 

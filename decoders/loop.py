@@ -42,15 +42,15 @@ def split_on(tokens: list[int], sep: int) -> list[list[int]]:
 
 def flat_decode_output(outputs: list[list[int]], special: SpecialTokens, decoder_calls: list[int],
                        batch_decoder_calls: int, stats: dict | None = None,
-                       hit_max_steps: list[bool] | None = None) -> DecodeOutput:
+                       bound_hit: list[bool] | None = None) -> DecodeOutput:
     """The `DecodeOutput` of flat-layout outputs (each row's produced tokens, its end token included
     where it has one): subsequences split at separators up to the end token, the tokens produced
-    counted, and an output without an end token marked as cut by a bound, unless `hit_max_steps`
+    counted, and an output without an end token marked as cut by a bound, unless `bound_hit`
     says otherwise."""
     split = [split_flat_output(tokens, special) for tokens in outputs]
     return DecodeOutput(subsequences=[subsequences for subsequences, _ in split],
                         decoder_calls=decoder_calls, tokens=[len(tokens) for tokens in outputs],
-                        hit_max_steps=(hit_max_steps if hit_max_steps is not None
+                        bound_hit=(bound_hit if bound_hit is not None
                                        else [not ended for _, ended in split]),
                         batch_decoder_calls=batch_decoder_calls, stats=stats or {})
 

@@ -35,7 +35,7 @@ end token last): exact with one candidate; with several, the other candidates' l
 model's, so it is known only when max(L, candidates) >= T (k distinct lengths, the longest is
 >= k) and None otherwise.
 `tokens` is the chosen candidate's length L (every position is produced, the end token included).
-`hit_max_steps` is True when the predicted length is the bound `max_new_tokens` and no end token
+`bound_hit` is True when the predicted length is the bound `max_new_tokens` and no end token
 came, i.e. the output may have been cut by the bound.
 
 Position bias: T5's decoder owns a relative-position table made for unidirectional (past-only)
@@ -388,4 +388,4 @@ class MaskPredictDecoder(Decoder):
         # cut by the bound: a predicted length at the bound with no end token in it
         hit_bound = [len(tokens) == self.max_new_tokens and self.special.eos not in tokens
                      for tokens in outputs]
-        return flat_decode_output(outputs, self.special, calls, max(calls), hit_max_steps=hit_bound)
+        return flat_decode_output(outputs, self.special, calls, max(calls), bound_hit=hit_bound)

@@ -442,5 +442,5 @@ class PipelinedDecoder(Decoder):
                           for example in examples],
             decoder_calls=[example.calls for example in examples],
             tokens=[sum(len(tokens) for tokens in example.slots) for example in examples],
-            hit_max_steps=[hit_bound(example) for example in examples],
+            bound_hit=[hit_bound(example) for example in examples],
             batch_decoder_calls=batch_calls)

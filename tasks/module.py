@@ -72,7 +72,7 @@ class DecodeTelemetry:
             "examples_per_second": len(self.rows) / self.seconds if self.seconds else 0.0,
             "decoder_calls_per_example": calls / n,
             "tokens_per_call": tokens / calls if calls else 0.0,
-            "max_steps_hit": float(sum(r["hit_max_steps"] for r in self.rows.values())),
+            "bound_hits": float(sum(r["bound_hit"] for r in self.rows.values())),
             "decode_seconds": self.seconds,
         }
         out.update(self.stats)
@@ -221,7 +221,7 @@ class GenerationTask(BackboneTraining):
         for i, index in enumerate(batch["index"].tolist()):
             self.telemetry.rows[index] = {
                 "prediction": predictions[i], "decoder_calls": out.decoder_calls[i],
-                "tokens": out.tokens[i], "hit_max_steps": out.hit_max_steps[i],
+                "tokens": out.tokens[i], "bound_hit": out.bound_hit[i],
                 "subsequences": len(out.subsequences[i]),
             }
         return predictions
@@ -264,7 +264,7 @@ class GenerationTask(BackboneTraining):
             dist.all_gather_object(parts, self.telemetry)
             self.telemetry = DecodeTelemetry.merged(parts)
         scores = {**self.quality_scores, **self.telemetry.summary()}
-        self.bound_hits[split] = int(scores["max_steps_hit"]), len(self.telemetry.rows)
+        self.bound_hits[split] = int(scores["bound_hits"]), len(self.telemetry.rows)
         # The values are already whole-split ones, equal on every process: reducing them with
         # "max" keeps them exact (and stops Lightning advising to reduce epoch-level values).
         self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=True, reduce_fx="max")
@@ -295,7 +295,7 @@ class GenerationTask(BackboneTraining):
     def warn_bound_hits(self, split: str) -> None:
         """One warning when at least BOUND_WARNING_SHARE of the last `split` pass's outputs were
         stopped by a decoder bound instead of their own end token (each pass logs the count as
-        `<split>/max_steps_hit`)."""
+        `<split>/bound_hits`)."""
         hits, examples = self.bound_hits.get(split, (0, 0))
         if examples and hits / examples >= BOUND_WARNING_SHARE and self.global_rank == 0:
             log.warning("%s: %d of %d examples reached one of the decoder's length or step bounds "

@@ -195,4 +195,4 @@ def assert_same_output(out, ref):
     """Two decodes give the same output: subsequences, tokens and bound flags."""
     assert out.subsequences == ref.subsequences
     assert out.tokens == ref.tokens
-    assert out.hit_max_steps == ref.hit_max_steps
+    assert out.bound_hit == ref.bound_hit

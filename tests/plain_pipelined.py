@@ -16,7 +16,7 @@ docstring states them:
   nothing runs and nothing can start. all_end: it is done after the first step at which nothing
   runs;
 - at most `max_steps` steps.
-An example was cut by a bound (`hit_max_steps`) if it was still decoding after `max_steps`, if a
+An example was cut by a bound (`bound_hit`) if it was still decoding after `max_steps`, if a
 token did not fit `max_new_tokens`, if a subsequence reached `max_subsequence_length` without e, if
 under first_empty it never wrote its empty terminator, or if a subsequence was due to start while
 it was decoding and no slot was left.
@@ -61,7 +61,7 @@ def reference_decode(decoder, model, input_ids: torch.Tensor, attention_mask: to
         subsequences=[output_subsequences(example, decoder.special.eos) for example in examples],
         decoder_calls=[len(example.call_steps) for example in examples],
         tokens=[sum(len(s.emitted) for s in example.subsequences) for example in examples],
-        hit_max_steps=[cut_by_a_bound(decoder, example) for example in examples],
+        bound_hit=[cut_by_a_bound(decoder, example) for example in examples],
         # the batch makes a call at every step at which some example does
         batch_decoder_calls=len({step for example in examples for step in example.call_steps}))
     logits = {(b, i, j): value for b, example in enumerate(examples)

@@ -222,7 +222,7 @@ def test_partial_and_no_acceptance(wrong_at):
 def test_max_new_tokens_cuts_inside_a_block():
     out, *_ = run_rigged(4, max_new_tokens=6)
     assert out.subsequences == [[CHAIN[:6]]] * 3
-    assert out.tokens == [6] * 3 and out.decoder_calls == [3] * 3 and out.hit_max_steps == [True] * 3
+    assert out.tokens == [6] * 3 and out.decoder_calls == [3] * 3 and out.bound_hit == [True] * 3
 
 
 def test_top_k_approximate_acceptance():

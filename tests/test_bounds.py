@@ -37,7 +37,7 @@ def test_a_model_that_never_ends_is_cut_at_the_common_bound(name):
             decoder.length_predictor.bias.copy_(torch.eye(12)[-1] * 10)
     input_ids, attention_mask = random_batch(4, seed=5)
     out = decoder.generate(model, input_ids, attention_mask)
-    assert out.tokens == [12] * 4 and out.hit_max_steps == [True] * 4
+    assert out.tokens == [12] * 4 and out.bound_hit == [True] * 4
 
 
 @pytest.mark.parametrize("name", ["sequential", "pipelined", "blockwise", "onestep"])
@@ -51,16 +51,16 @@ def test_an_output_that_fills_the_bound_exactly_is_not_cut(name):
     def some_end_with_output(input_ids, attention_mask):
         """some examples end by themselves with a non-empty output"""
         out = free.generate(model, input_ids, attention_mask)
-        return any(subs and not hit for subs, hit in zip(out.subsequences, out.hit_max_steps))
+        return any(subs and not hit for subs, hit in zip(out.subsequences, out.bound_hit))
     input_ids, attention_mask = first_batch_where(some_end_with_output, 6)
     out = free.generate(model, input_ids, attention_mask)
-    for i, (subsequences, hit) in enumerate(zip(out.subsequences, out.hit_max_steps)):
+    for i, (subsequences, hit) in enumerate(zip(out.subsequences, out.bound_hit)):
         if hit or not subsequences:
             continue
         n = int(attention_mask[i].sum())
         alone = input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n]
         length = len(join_subsequences(subsequences, SPECIAL.sep, SPECIAL.eos))
         exact = decoder_at(name, model, length, like=free).generate(model, *alone)
-        assert exact.subsequences == [subsequences] and exact.hit_max_steps == [False]
+        assert exact.subsequences == [subsequences] and exact.bound_hit == [False]
         if length > 2:  # data.max_target_length leaves room for a token and the end token
-            assert decoder_at(name, model, length - 1, like=free).generate(model, *alone).hit_max_steps == [True]
+            assert decoder_at(name, model, length - 1, like=free).generate(model, *alone).bound_hit == [True]

@@ -96,7 +96,7 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     assert len(trained) == 1
     # bound hits: each row's count of test outputs its decoder cut, as its predictions record them
     for row in written["rows"]:
-        cut = [p["hit_max_steps"] for p in
+        cut = [p["bound_hit"] for p in
                run_artifact_rows(client, row["mlflow_run_id"], tmp_path / row["label"])]
         assert row["bound_hits"] == sum(cut) and row["bound_hit_fraction"] == sum(cut) / len(cut)
         assert f"| {row['bound_hits']} ({row['bound_hit_fraction']:.3f}) |" in table

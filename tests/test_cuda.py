@@ -89,7 +89,7 @@ def test_exact_decoders_give_the_argmax_of_the_teacher_forced_forward(name):
         assert logits[i, :length].argmax(-1).tolist() == row[:length]
         subsequences, ended = split_flat_output(row[:length], SPECIAL)
         assert out.subsequences[i] == subsequences
-        assert out.hit_max_steps[i] == (not ended)
+        assert out.bound_hit[i] == (not ended)
 
 
 def test_pipelined_decoding_equals_its_teacher_forced_forward():
@@ -123,7 +123,7 @@ def test_every_decoder_decodes_on_the_gpu_as_on_the_cpu(name):
         decoder, model = decoder.to(CUDA), model.to(CUDA)
         on_gpu = decoder.generate(model, input_ids.to(CUDA), attention_mask.to(CUDA))
     assert on_gpu.subsequences == on_cpu.subsequences
-    assert (on_gpu.decoder_calls, on_gpu.hit_max_steps) == (on_cpu.decoder_calls, on_cpu.hit_max_steps)
+    assert (on_gpu.decoder_calls, on_gpu.bound_hit) == (on_cpu.decoder_calls, on_cpu.bound_hit)
 
 
 @pytest.mark.parametrize("name", available())
@@ -162,7 +162,7 @@ def test_sequential_equals_generate():
         out = decoder.generate(model, input_ids, attention_mask)
     expected = [split_flat_output(row, SPECIAL) for row in generated[:, 1:].tolist()]
     assert out.subsequences == [subsequences for subsequences, _ in expected]
-    assert out.hit_max_steps == [not ended for _, ended in expected]
+    assert out.bound_hit == [not ended for _, ended in expected]
     assert out.batch_decoder_calls == generated.size(1) - 1
 
 

@@ -212,7 +212,7 @@ def test_predictions_read_back_as_the_references_they_reproduce(tmp_path):
     module, batch = built.module, next(iter(built.datamodule.ordered_loader("test")))
     module.decoder.generate = lambda model, input_ids, attention_mask: DecodeOutput(
         subsequences=batch["targets"], decoder_calls=[1] * len(test), tokens=[1] * len(test),
-        hit_max_steps=[False] * len(test), batch_decoder_calls=1)
+        bound_hit=[False] * len(test), batch_decoder_calls=1)
     module._eval_start()
     assert module.decode_batch(batch) == [record["keyphrases"] for record in test]
 

@@ -50,7 +50,7 @@ def assert_greedy(decoder, model, input_ids, attention_mask):
     expected = [split_flat_output(row, SPECIAL)
                 for row in greedy_outputs(model, input_ids, attention_mask, BOUND)]
     assert out.subsequences == [subsequences for subsequences, _ in expected]
-    assert out.hit_max_steps == [not ended for _, ended in expected]
+    assert out.bound_hit == [not ended for _, ended in expected]
     return out
 
 
@@ -86,7 +86,7 @@ def test_a_random_model_decodes_greedily(name, seed, length, min_acceptance):
     def varied(input_ids, attention_mask):
         """outputs of 3 or more lengths, one of them ended by its end token"""
         out = decoder.generate(model, input_ids, attention_mask)
-        return len(set(out.tokens)) >= 3 and not all(out.hit_max_steps)
+        return len(set(out.tokens)) >= 3 and not all(out.bound_hit)
     out = assert_greedy(decoder, model, *first_batch_where(varied, 6, seed=seed + 30))
     assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width, drafts_first_call(decoder))
 

@@ -238,8 +238,8 @@ def test_step_bound_is_reported_in_telemetry_not_silently_cut(tmp_path, caplog):
         built.module.backbone.lm_head.weight[built.module.decoder.special.eos] = 0.0
     make_trainer(cfg, None).test(built.module, datamodule=built.datamodule, verbose=False)
     rows = built.module.prediction_rows("test")
-    assert built.module.test_scores["max_steps_hit"] == len(rows) == 8
-    assert all(r["hit_max_steps"] and r["decoder_calls"] == 2 for r in rows)
+    assert built.module.test_scores["bound_hits"] == len(rows) == 8
+    assert all(r["bound_hit"] and r["decoder_calls"] == 2 for r in rows)
     assert "test: 8 of 8 examples reached one of the decoder's length or step bounds" in caplog.text
 
 

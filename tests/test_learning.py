@@ -154,7 +154,7 @@ def test_sequential_ends_builtin_qa_outputs_and_does_not_repeat_answers(tmp_path
     assert len(outputs) == 100
 
     # most outputs end by themselves: the model writes its end token
-    assert metrics["test/max_steps_hit"] <= AT_BOUND_AT_MOST * len(outputs)
+    assert metrics["test/bound_hits"] <= AT_BOUND_AT_MOST * len(outputs)
     # hardly any output repeats one answer many times
     repeating = [answers for answers in outputs
                  if max(collections.Counter(answers).values(), default=0) > SAME_ANSWER_AT_MOST]

@@ -103,7 +103,7 @@ def test_matches_sequential_on_random_models(seed, draft_tokens, match):
     outputs = greedy_outputs(model, input_ids, attention_mask, bound)
     assert_replayed(out, [lookup_replay(s, y, draft_tokens, match)
                           for s, y in zip(sources(input_ids, attention_mask), outputs)])
-    assert_consistent_counters(out, draft_tokens, no_cut=not any(out.hit_max_steps))
+    assert_consistent_counters(out, draft_tokens, no_cut=not any(out.bound_hit))
     for i in range(8):  # alone, unpadded
         n = int(attention_mask[i].sum())
         alone = input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n]
@@ -163,7 +163,7 @@ def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, dra
     assert_same_output(out, sequential(model, 16).generate(model, input_ids, attention_mask))
     replays = [lookup_replay(s, output, draft_tokens, match) for s in sources(input_ids, attention_mask)]
     assert_replayed(out, replays)
-    assert_consistent_counters(out, draft_tokens, no_cut=not any(out.hit_max_steps))
+    assert_consistent_counters(out, draft_tokens, no_cut=not any(out.bound_hit))
     # not vacuous: drafts accepted, and rows accepting different numbers of them
     assert out.stats["draft_tokens_accepted"] > 0
     assert len({t - c for t, c in zip(out.tokens, out.decoder_calls)}) >= 3
@@ -247,7 +247,7 @@ def run_rigged(rows: list[list[int]], chain=CHAIN, **options):
 def test_calls_by_construction(source, draft_tokens, match, calls):
     out, *_ = run_rigged([source], draft_tokens=draft_tokens, match=match, max_new_tokens=20)
     assert out.subsequences == [[CHAIN[:-1]]] and out.tokens == [len(CHAIN)]
-    assert out.hit_max_steps == [False]
+    assert out.bound_hit == [False]
     assert out.decoder_calls == [calls] and out.batch_decoder_calls == calls
     assert_replayed(out, [lookup_replay(source, CHAIN, draft_tokens, match)])
     # without the end token in the source, the model's own end token ends the output: nothing is cut
@@ -305,7 +305,7 @@ def test_an_adaptive_length_falls_back_where_drafts_are_rejected(length, widths)
 
 def test_the_bound_cuts_inside_an_accepted_draft():
     out, *_ = run_rigged([[30] + CHAIN], draft_tokens=8, max_new_tokens=6)
-    assert out.subsequences == [[CHAIN[:6]]] and out.tokens == [6] and out.hit_max_steps == [True]
+    assert out.subsequences == [[CHAIN[:6]]] and out.tokens == [6] and out.bound_hit == [True]
     assert out.decoder_calls == [2]
     assert out.stats["draft_tokens_accepted"] == 8   # verified, though the bound output only 5
 

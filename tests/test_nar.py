@@ -117,7 +117,7 @@ def test_calls_for_output_equals_decoding(iterations, monkeypatch):
         force_length(decoder, len(flat))
         run = count_passes(decoder)
         out = decoder.generate(model, *random_batch(3, seed=1))
-        assert out.subsequences == [reference] * 3 and out.hit_max_steps == [False] * 3
+        assert out.subsequences == [reference] * 3 and out.bound_hit == [False] * 3
         assert out.decoder_calls == [decoder.calls_for_output(reference)] * 3 == [len(run)] * 3
         assert len(run) == nar.mask_predict_passes(len(flat), iterations)
 
@@ -275,7 +275,7 @@ def test_length_predictor_loss_and_prediction():
     assert (with_length - token_only).item() == pytest.approx(0.5 * expected_length_ce, rel=1e-5)
 
 
-def test_hit_max_steps_means_cut_by_max_length():
+def test_bound_hit_means_cut_by_max_length():
     model = tiny_t5(0)
     with torch.no_grad():
         model.lm_head.weight[SPECIAL.eos] = 0.0  # logit 0: below the best of the other, random logits
@@ -286,7 +286,7 @@ def test_hit_max_steps_means_cut_by_max_length():
             decoder.length_predictor.weight.zero_()
             decoder.length_predictor.bias.copy_(torch.eye(6)[length - 1] * 10)
         out = decoder.generate(model, input_ids, attention_mask)
-        assert out.tokens == [length] * 3 and out.hit_max_steps == [hit] * 3
+        assert out.tokens == [length] * 3 and out.bound_hit == [hit] * 3
 
 
 def test_length_pooling_ignores_source_padding():

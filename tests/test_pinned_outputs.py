@@ -16,7 +16,7 @@ from tests.pinned_outputs import PINNED_DECODERS, REFERENCE, case_id, decode_cas
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]
 
 ENTRIES = json.loads(REFERENCE.read_text())["cases"]
-PER_EXAMPLE = ("subsequences", "decoder_calls", "tokens", "hit_max_steps")
+PER_EXAMPLE = ("subsequences", "decoder_calls", "tokens", "bound_hit")
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[case_id(entry["case"]) for entry in ENTRIES])
@@ -45,7 +45,7 @@ def examples_of(decoder: str) -> list[dict]:
 def test_the_reference_pins_varied_outputs_of_every_decoder(decoder):
     cases, examples = len(entries_of(decoder)), examples_of(decoder)
     assert cases >= 8, f"the reference pins {cases} cases of {decoder}"
-    cut = [example["hit_max_steps"] for example in examples]
+    cut = [example["bound_hit"] for example in examples]
     assert any(cut), f"no {decoder} output is cut by a bound"
     assert not all(cut), f"no {decoder} output ends by itself"
     lengths = {example["tokens"] for example in examples}
@@ -59,7 +59,7 @@ def test_the_reference_pins_what_only_some_decoders_do():
     assert any(1 < example["tokens"] / example["decoder_calls"]
                < example["case"]["options"]["block_size"] for example in blockwise)
     # pipelined outputs of several subsequences that ended by themselves
-    assert any(len(example["subsequences"]) > 1 and not example["hit_max_steps"]
+    assert any(len(example["subsequences"]) > 1 and not example["bound_hit"]
                for example in examples_of("pipelined"))
     # nar with several length candidates and several passes
     assert any(entry["case"]["options"]["length_candidates"] > 1

@@ -193,7 +193,7 @@ def test_decoding_equals_teacher_forced_forward_trained_model(delay, monkeypatch
     def several_and_ended(input_ids, attention_mask):
         """an output of several subsequences, and one that ended by itself (the terminator)"""
         out = decoder.generate(model, input_ids, attention_mask)
-        return max(len(s) for s in out.subsequences) >= 2 and not all(out.hit_max_steps)
+        return max(len(s) for s in out.subsequences) >= 2 and not all(out.bound_hit)
     input_ids, attention_mask = first_batch_where(several_and_ended, 6, max_len=9, seed=55, tries=50)
     check_decode_equals_teacher_forcing(monkeypatch, model, decoder, input_ids, attention_mask)
 
@@ -243,7 +243,7 @@ def test_bounds_equal_the_plain_reference(bound, delay, stop_rule, monkeypatch):
         """the bound changes an output, and an example ends by itself"""
         out = decoder.generate(model, input_ids, attention_mask)
         return (out.subsequences != unbounded.generate(model, input_ids, attention_mask).subsequences
-                and not all(out.hit_max_steps))
+                and not all(out.bound_hit))
     input_ids, attention_mask = first_batch_where(binds, 6, max_len=9, seed=40, tries=50)
     assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
 
@@ -296,7 +296,7 @@ def test_fewer_calls_than_tokens_and_bounds_reported():
             assert calls < tokens  # several subsequences advance in the same call
     short = pipelined(model, delay=1, max_subsequences=6, max_subsequence_length=6, max_steps=2)
     bounded = short.generate(model, input_ids, attention_mask)
-    assert bounded.hit_max_steps == [calls > 2 for calls in out.decoder_calls]
+    assert bounded.bound_hit == [calls > 2 for calls in out.decoder_calls]
 
 
 @pytest.mark.parametrize("stop_rule,delay,calls", [
@@ -371,7 +371,7 @@ def test_figure_2_by_hand(stop_rule, monkeypatch):
     assert out.subsequences == [[[A, B, C], [D, E]]]
     assert out.decoder_calls == [4] and out.batch_decoder_calls == 4
     assert out.tokens == [9 if stop_rule == ALL_END else 8]
-    assert out.hit_max_steps == [False]
+    assert out.bound_hit == [False]
 
 
 @pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
@@ -390,7 +390,7 @@ def test_an_exploration_after_a_failed_one_is_kept_only_by_the_paper_rule(stop_r
     else:
         assert calls[3:] == [[(0, 3, e), (1, 2, e)]]
         assert out.subsequences == [[[A, B, C], [D, E]]] and out.decoder_calls == [4]
-    assert out.hit_max_steps == [False]
+    assert out.bound_hit == [False]
 
 
 @pytest.mark.parametrize("stop_rule", [FIRST_EMPTY, ALL_END])
@@ -402,7 +402,7 @@ def test_a_denied_exploration_is_a_bound_hit_under_the_paper_rule(stop_rule, mon
                                     max_subsequence_length=8, max_steps=20, stop_rule=stop_rule)
     out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
     assert out.subsequences == [[[A, B, C], [D, E]]]
-    assert out.hit_max_steps == [stop_rule == ALL_END]
+    assert out.bound_hit == [stop_rule == ALL_END]
 
 
 REFERENCES = [[], [[10]], [[10, 11, 12], [13, 14]], [[10], [11]], [[10, 11, 12, 13], [14], [15]],
@@ -421,7 +421,7 @@ def test_calls_for_output_equals_scripted_decoding(stop_rule, delay, monkeypatch
                                             max_subsequence_length=8, max_steps=40,
                                             stop_rule=stop_rule)
         out = decoder.generate(tiny_t5(0), *random_batch(1, seed=3))
-        assert out.hit_max_steps == [False] and out.decoder_calls == [len(calls)]
+        assert out.bound_hit == [False] and out.decoder_calls == [len(calls)]
         expected = decoder.calls_for_output(reference)
         if expected is None:
             assert stop_rule == ALL_END and out.subsequences[0] != reference
@@ -446,7 +446,7 @@ def test_calls_for_output_equals_decoding(delay, stop_rule):
     for seed in range(77, 97):
         input_ids, attention_mask = random_batch(12, max_len=9, seed=seed)
         out = decoder.generate(model, input_ids, attention_mask)
-        for subsequences, calls, bounded in zip(out.subsequences, out.decoder_calls, out.hit_max_steps):
+        for subsequences, calls, bounded in zip(out.subsequences, out.decoder_calls, out.bound_hit):
             if not bounded:
                 expected = decoder.calls_for_output(subsequences)
                 if stop_rule == FIRST_EMPTY:
@@ -471,7 +471,7 @@ def test_max_subsequences_reached_is_a_bound_hit():
         return any(decoder.generate(model, input_ids, attention_mask).subsequences)
     input_ids, attention_mask = first_batch_where(writes, 12, max_len=9, seed=31, tries=50)
     out = decoder.generate(model, input_ids, attention_mask)
-    assert out.hit_max_steps == [bool(subsequences) for subsequences in out.subsequences]
+    assert out.bound_hit == [bool(subsequences) for subsequences in out.subsequences]
 
 
 def test_loss_is_cross_entropy_over_all_labels():

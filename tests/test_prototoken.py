@@ -71,8 +71,8 @@ def test_alone_equals_batched(trained):
     def varied(input_ids, attention_mask):
         """outputs that differ, some ending before the bound and some reaching it"""
         out = decoder.generate(model, input_ids, attention_mask)
-        return (len({str(s) for s in out.subsequences}) >= 3 and any(out.hit_max_steps)
-                and not all(out.hit_max_steps))
+        return (len({str(s) for s in out.subsequences}) >= 3 and any(out.bound_hit)
+                and not all(out.bound_hit))
     input_ids, attention_mask = first_batch_where(varied, 8, max_len=9, seed=40)
     assert_alone_equals_batched(decoder, model, input_ids, attention_mask)
 
@@ -83,7 +83,7 @@ def test_decodes_the_argmax_of_t5s_own_forward_up_to_the_end_token(trained):
     out = decoder.generate(model, input_ids, attention_mask)
     with torch.no_grad():
         argmax = t5_forward(model, decoder, input_ids, attention_mask, 12).logits.argmax(-1).tolist()
-    for row, subsequences, tokens, cut in zip(argmax, out.subsequences, out.tokens, out.hit_max_steps):
+    for row, subsequences, tokens, cut in zip(argmax, out.subsequences, out.tokens, out.bound_hit):
         assert (subsequences, not cut) == split_flat_output(row, SPECIAL)
         assert tokens == (row.index(SPECIAL.eos) + 1 if SPECIAL.eos in row else 12)
 

@@ -40,7 +40,7 @@ def test_matches_transformers_generate_batched(seed):
         assert out.decoder_calls[i] == len(ref)
         if ended:  # the count of an output that ended by itself is a function of the output
             assert decoder.calls_for_output(out.subsequences[i]) == len(ref)
-        assert out.hit_max_steps[i] == (not ended)
+        assert out.bound_hit[i] == (not ended)
     assert out.batch_decoder_calls == max(len(r) for r in reference)
 
 
@@ -99,4 +99,4 @@ def test_generate_reference_decodes_a_decoder_deeper_than_its_encoder():
         model, input_ids, attention_mask)
     assert any(out.subsequences)
     assert reference.subsequences == out.subsequences
-    assert reference.hit_max_steps == out.hit_max_steps
+    assert reference.bound_hit == out.bound_hit

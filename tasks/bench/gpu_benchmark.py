@@ -52,7 +52,7 @@ GENERATE = "transformers generate"
 def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
     """A row's quality (the task's test scores) and share of outputs cut by a bound, from the
     outputs of its last timed pass."""
-    hits = [hit for out in timing.outputs for hit in out.hit_max_steps]
+    hits = [hit for out in timing.outputs for hit in out.bound_hit]
     predictions = subsequence_texts(tokenizer, timing.subsequences())
     return {"quality": task_scores(cfg, tokenizer, predictions, records),
             "bound_hit_fraction": sum(hits) / len(hits)}

@@ -92,7 +92,7 @@ def outputs(built, batch_size: int, end: int) -> list[tuple[list[list[int]], lis
         with torch.no_grad():
             out = decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
         for example, subsequences, hit, calls in zip(batch_examples, out.subsequences,
-                                                     out.hit_max_steps, out.decoder_calls):
+                                                     out.bound_hit, out.decoder_calls):
             if hit:
                 continue
             with_ends = [s + [end] for s in subsequences]

@@ -70,7 +70,7 @@ def outputs(decoder) -> list:
         for i in range(0, len(test), 16):
             batch = data.collate(test[i:i + 16])
             out = decoder.generate(pipelined.backbone, batch["input_ids"], batch["attention_mask"])
-            fields.append((out.subsequences, out.decoder_calls, out.tokens, out.hit_max_steps))
+            fields.append((out.subsequences, out.decoder_calls, out.tokens, out.bound_hit))
     return fields
 
 

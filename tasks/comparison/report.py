@@ -113,7 +113,7 @@ def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
         calls = row.telemetry.get("decoder_calls_per_example")
         # test outputs stopped by a decoder bound (every decoder's: data.max_target_length output
         # tokens, plus pipelined's slot limits) rather than by their own end token
-        hits, examples = int(row.telemetry["max_steps_hit"]), len(row.module.telemetry.rows)
+        hits, examples = int(row.telemetry["bound_hits"]), len(row.module.telemetry.rows)
         entry = {
             "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
             "training": row.training,
