@@ -2,7 +2,10 @@
 trainer it runs on (checked before any work), and a fit tested and tracked as one MLflow run."""
 from __future__ import annotations
 
+import logging
+import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import ContextManager
 
@@ -62,7 +65,56 @@ def build_module(cfg: DictConfig, tokenizer, backbone_config: dict | None = None
     return (module_class or TASK_MODULES[cfg.task.name])(cfg, backbone, decoder, tokenizer)
 
 
+# Lightning's loggers, and the lines of each that every trainer prints again as it is built (the
+# device lines) or set up for a fit or a test (CUDA's device line): an entry point builds several
+# trainers (`check_trainer`'s before any work, then the one that runs; compare one per row), so
+# each such line is said once per process (`quiet_lightning`).
+SAID_ONCE = {"lightning.pytorch.utilities.rank_zero": ("GPU available:", "TPU available:"),
+             "lightning.pytorch.accelerators.cuda": ("LOCAL_RANK:",)}
+# Lightning's advertisement for its cloud logger, printed by every trainer: never said.
+ADVERTISEMENT = "💡 Tip: For seamless cloud logging"
+# Lightning's pytree helper builds a `LeafSpec`, which newer torch deprecates: a warning for
+# Lightning's maintainers, not for users (only this message, only from that module).
+LEAFSPEC_WARNING = {"message": re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
+                    "category": FutureWarning, "module": r"lightning\.pytorch\.utilities\._pytree\Z"}
+
+
+class LightningNotices(logging.Filter):
+    """On one of Lightning's loggers: drops its advertisement, and a line that starts with one of
+    `once` whose very text was already said in this process (a line naming another device or
+    rank is said)."""
+
+    def __init__(self, once: tuple[str, ...]):
+        super().__init__()
+        self.once = once
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(ADVERTISEMENT):
+            return False
+        if message.startswith(self.once):
+            if message in self.said:
+                return False
+            self.said.add(message)
+        return True
+
+
+def quiet_lightning() -> None:
+    """Lightning's repeated lines said once, its advertisement and the `LeafSpec` deprecation
+    warning not at all (`SAID_ONCE`, `ADVERTISEMENT`, `LEAFSPEC_WARNING`); each call after the first
+    changes nothing. Called wherever the library builds a trainer."""
+    for name, once in SAID_ONCE.items():
+        lightning_log = logging.getLogger(name)
+        if not any(isinstance(f, LightningNotices) for f in lightning_log.filters):
+            lightning_log.addFilter(LightningNotices(once))
+    # set on every call: a caller's `warnings.catch_warnings` (pytest's, around each test) drops
+    # the filters set inside it
+    warnings.filterwarnings("ignore", **LEAFSPEC_WARNING)
+
+
 def make_trainer(cfg: DictConfig, logger: MLFlowLogger | None, callbacks=()) -> L.Trainer:
+    quiet_lightning()
     # the arguments set here are refused in configurations (tasks.config.TRAINER_RESERVED)
     return L.Trainer(**cfg.trainer, logger=logger if logger is not None else False,
                      callbacks=list(callbacks), enable_autolog_hparams=False,
