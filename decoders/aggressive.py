@@ -9,7 +9,7 @@ verifier's encoder: it drafts from the verifier's encoder states, and no second 
 
 Algorithm.
     1. The drafter drafts every example's whole output: Mask-Predict, T iterations. The verifier's
-       first call checks its first `draft_tokens` tokens beside the start token (`first_draft`).
+       first call checks its first `draft_tokens` tokens beside the start token (`begin_drafts`).
     2. Draft and verify (`decoders/drafts.py`): a verifier call feeds the row's last token and the next
        `draft_tokens` draft tokens at the row's current output index, accepts the longest prefix its
        greedy tokens agree with and appends its own token after it (1 .. draft_tokens + 1 tokens).
@@ -33,15 +33,14 @@ drafter drafts; `top_k` > 1 is the paper's relaxed acceptance (a draft token pas
 the verifier's top-k tokens there): faster, no longer exact.
 
 Host syncs: the loop's one per verifier call, which under the paper's rule also reads back which
-rows' drafts disagree with the verifier (`host_values`; the rest of the re-draft decision and the
+rows' drafts disagree with the verifier (`host_reads`; the rest of the re-draft decision and the
 shapes of its pass follow from host values); once per decode, the drafter's own encoder's (unless it
 shares the verifier's) and its predicted lengths (the shapes of its first pass, and the first call's
 offers; a drafter with several length candidates reads its chosen ones back once more); with
 "realign", its draft's tokens, which then stay on the host.
-Telemetry (`stats`): `aggressive_calls` counts the verifier's calls; the draft tokens offered and
-accepted (the verify loop's counters), the rows re-drafted, the drafter's decoder passes and the
-seconds it took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the
-verifier's) are reported beside them.
+Telemetry (`stats`): beside the verify loop's counters (draft tokens offered and accepted, ...),
+the drafter's own (`DrafterCounters`): the rows re-drafted, its decoder passes and the seconds it
+took (first draft and re-drafts, `drafter_seconds`: the rest of a decode's time is the verifier's).
 """
 from __future__ import annotations
 
@@ -54,7 +53,9 @@ from decoders import register
 from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode, same_encoder
-from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
+from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.drafts import (Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source,
+                             Verified)
 from decoders.loop import Stopwatch, read_back, send
 from decoders.nar import MaskPredictDecoder, mask_predict_passes
 from decoders.sequential import SequentialDecoder
@@ -68,6 +69,15 @@ MISMATCH, OUTGROWN, NEVER, REALIGN = "mismatch", "outgrown", "never", "realign"
 
 
 @dataclass
+class DrafterCounters:
+    """The drafter's work over a decode, reported in `stats` beside the loop's counters."""
+
+    redrafts: int = 0                 # rows drafted again
+    drafter_passes: int = 0           # its decoder passes
+    drafter_seconds: Stopwatch | None = None   # its first draft and re-drafts (set per decode)
+
+
+@dataclass
 class Drafts:
     """The drafter's state over one decode, per example (index: the example's row in the batch)."""
 
@@ -76,10 +86,9 @@ class Drafts:
     encoder_mask: torch.Tensor    # (B, 1, 1, S) its cross-attention mask
     tokens: torch.Tensor          # (B, max_new_tokens) the current draft, by output index
     lengths: list[int]            # host: how many of them are drafted
-    offsets: torch.Tensor         # (m,) 0..m-1: a draft's output indices past a row's count
-    clock: Stopwatch              # the time the drafter takes: its first draft and re-drafts
-    redrafts: int = 0             # rows drafted again
-    passes: int = 0               # the drafter's decoder passes
+    offsets: torch.Tensor         # (m,) 0..m-1 a draft's output indices past a row's count, and
+                                  # m under the paper's rule: the token the loop compares past them
+    counters: DrafterCounters
     # `realign` only (else None), on the host: each example's draft, and how far its draft index
     # lies past its output index (changed where a rejected draft is re-aligned)
     host_tokens: list[list[int]] | None = None
@@ -115,7 +124,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
     drafts_with = "nar"
-    calls_stat = "aggressive_calls"
     # The sequential layout and loss, shared rather than copied: those of the model it verifies with
     # (tasks never fit this decoder, `trains_nothing`).
     layout = SequentialDecoder.layout
@@ -170,7 +178,16 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             attached.model.to(device)
         return attached
 
-    def begin_drafts(self, model, source: Source) -> Drafts:
+    @property
+    def host_reads(self) -> HostReads:
+        """It drafts after each call's sync; under the paper's rule it reads there which rows'
+        drafts disagree with the verifier's own token (the rest of a re-draft decision follows from
+        the counts the loop reads anyway)."""
+        return HostReads(disagreement=self.redraft == MISMATCH)
+
+    def begin_drafts(self, model, source: Source) -> Drafting:
+        """The drafter drafts every example's whole output; the first call verifies its first
+        `draft_tokens` beside the start token (a draft shorter than that offers its length)."""
         device = source.input_ids.device
         drafter = self.drafter_on(device)
         nar = drafter.decoder
@@ -186,63 +203,48 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
             # drafted (the drafter read back all of theirs, not which one each example chose)
             host_lengths = (predicted.host_lengths if predicted.host_lengths is not None
                             else predicted.lengths.tolist())
-        state = Drafts(nar_states, nar_mask, padded, host_lengths,
-                       torch.arange(self.draft_tokens, device=device), clock, passes=max(predicted.passes))
+        counters = DrafterCounters(drafter_passes=max(predicted.passes), drafter_seconds=clock)
+        offsets = torch.arange(self.draft_tokens + (self.redraft == MISMATCH), device=device)
+        state = Drafts(nar_states, nar_mask, padded, host_lengths, offsets, counters)
         if self.redraft == REALIGN:   # the draft's one read-back: it is re-aligned on the host
             drafted, = read_back(tokens)
             state.host_tokens = [row[:length] for row, length in zip(drafted, host_lengths)]
             state.shifts = [0] * len(host_lengths)
-        return state
+        first = Draft(padded[:, offsets.clamp(max=padded.size(1) - 1)],
+                      offered=[min(length, self.draft_tokens) for length in host_lengths])
+        return Drafting(state, first, counters)
 
-    def first_draft(self, state: Drafts) -> Draft:
-        # the draft's first m tokens, verified by the first call (a draft shorter than m offers
-        # its length)
-        return Draft(state.tokens[:, : self.draft_tokens],
-                     offered=[min(length, self.draft_tokens) for length in state.lengths])
-
-    def host_values(self, state: Drafts, verified: Verified) -> dict[str, torch.Tensor]:
-        """Under the paper's rule, which rows' drafts disagree with the verifier's own token, read
-        back with the loop's one host sync; nothing else: a row whose output reached its draft's
-        length is told on the host, from the counts the loop reads anyway (`LOOP_HOST_VALUES`)."""
-        if self.redraft != MISMATCH:
-            return {}
-        # the draft's token at the verifier's own token's index (count - 1)
-        columns = state.tokens.size(1)
-        drafted = state.tokens[verified.origin, (verified.count - 1).clamp(max=columns - 1)]  # (live, 1)
-        return {"disagrees": (drafted != verified.next_token).view(-1)}
-
-    def draft(self, model, state: Drafts, verified: Verified, host: dict[str, list[int]]) -> Draft:
+    def draft(self, model, state: Drafts, verified: Verified, host: HostRows) -> Draft:
         if self.redraft == REALIGN:
             return self.realigned(state, host)
-        counts, columns = host["count"], state.tokens.size(1)
-        lengths = [state.lengths[example] for example in host["example"]]
-        disagrees = host.get("disagrees", [False] * len(counts))
+        counts, columns, disagrees = host.counts, state.tokens.size(1), host.disagrees
+        lengths = [state.lengths[example] for example in host.examples]
         # drafted again (module docstring): an output that reached its draft's length unless the
         # rule is never, one whose draft disagrees under the paper's; never one at the drafter's bound
         outgrowing = self.redraft != NEVER
         rows = [row for row, (count, length) in enumerate(zip(counts, lengths))
                 if count < columns and ((outgrowing and count >= length) or disagrees[row])]
         if rows:
-            with state.clock.timing():
+            with state.counters.drafter_seconds.timing():
                 redrafted = self.draft_again(state, verified, rows, [counts[row] for row in rows],
                                              [lengths[row] for row in rows])
             for row, length in zip(rows, redrafted):
-                lengths[row] = state.lengths[host["example"][row]] = length
+                lengths[row] = state.lengths[host.examples[row]] = length
         m = self.draft_tokens
         # the next call's draft: output indices count .. count + m - 1 (its first fed token, the
         # verifier's own, sits at count - 1); indices past the draft are filler, never offered
-        indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m)
+        indices = (verified.count + state.offsets).clamp(max=columns - 1)    # (live, m or m + 1)
         return Draft(state.tokens[verified.origin, indices],
                      offered=[min(max(length - count, 0), m) for length, count in zip(lengths, counts)])
 
-    def realigned(self, state: Drafts, host: dict[str, list[int]]) -> Draft:
+    def realigned(self, state: Drafts, host: HostRows) -> Draft:
         """`realign`'s drafts, on the host: each row's draft after the place that holds its newest
         token, the verifier's own. That is its index plus the example's shift while the draft agrees
         there; where it does not, the nearest place within `draft_tokens` of it that holds the
         token (the earlier of two as near), which moves the shift; where none does, the draft goes
         on as it is."""
         m, drafts = self.draft_tokens, []
-        for example, token, count in zip(host["example"], host["next_token"], host["count"]):
+        for example, token, count in zip(host.examples, host.newest, host.counts):
             draft, aligned = state.host_tokens[example], count - 1 + state.shifts[example]
             at = aligned
             if not (0 <= aligned < len(draft) and draft[aligned] == token):
@@ -283,10 +285,6 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                                      state.encoder_states[redrafted], state.encoder_mask[redrafted],
                                      confidences=False)
         state.tokens[redrafted, :width] = tokens
-        state.redrafts += len(rows)
-        state.passes += passes
+        state.counters.redrafts += len(rows)
+        state.counters.drafter_passes += passes
         return new_lengths
-
-    def drafter_counters(self, state: Drafts) -> dict[str, float]:
-        return {"redrafts": state.redrafts, "drafter_passes": state.passes,
-                "drafter_seconds": state.clock.total()}

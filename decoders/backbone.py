@@ -1,6 +1,6 @@
-"""The T5 calls every decoder shares: the encoder once per batch, the output head, the key/value
-cache, T5's decoder blocks run with a custom self-attention structure, and a function of the
-model run with its weights detached."""
+"""The T5 calls every decoder shares: the encoder once per batch, the output head, T5's decoder
+blocks run with a custom self-attention structure over a cache written at given slots
+(`decoders.cache`), and a function of the model run with its weights detached."""
 from __future__ import annotations
 
 import functools
@@ -10,11 +10,9 @@ from typing import Any, Callable, Collection, Hashable, NamedTuple
 import torch
 from torch import nn
 from transformers import T5ForConditionalGeneration
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from decoders.transformers_internals import (attention_implementation, bias_owner,
-                                             cached_cross_attention, keep_cross_attention,
-                                             relative_position_buckets, self_attention_layers)
+from decoders.cache import DecoderCache, Slots
+from decoders.transformers_internals import attention_implementation, bias_owner, relative_position_buckets
 
 
 def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
@@ -70,22 +68,6 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in float32 if it is in a narrower float type (bf16/fp16 under mixed precision), so
     that log-softmax and cross-entropy sums do not lose precision; float64 stays float64."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
-
-
-def new_cache() -> EncoderDecoderCache:
-    """An empty key/value cache for T5's decoder (self-attention and cross-attention parts)."""
-    return EncoderDecoderCache(DynamicCache(), DynamicCache())
-
-
-def gather_self_attention_cache(cache: EncoderDecoderCache, order: torch.Tensor) -> None:
-    """Keep, for each row b, the self-attention cache slots `order[b]` ((live, K') long), in that
-    order, in every layer: drops slots a row does not need (padding, rejected proposals) and packs
-    the rest to the front. The cross-attention part (the encoder's keys/values) is untouched."""
-    layers = self_attention_layers(cache)
-    # every layer's keys and values have one shape (B, heads, K, head_dim): one index serves all
-    index = order[:, None, :, None].expand(-1, layers[0].keys.size(1), -1, layers[0].keys.size(-1))
-    for layer in layers:
-        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
 
 # ---- running T5's decoder blocks with a custom self-attention structure --------------------------
@@ -197,15 +179,15 @@ def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torc
 
 def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
                 encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
-                cache: EncoderDecoderCache | None = None,
+                cache: DecoderCache | None = None, slots: Slots | None = None,
                 position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
     """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
 
     input_ids: (B, Q) new tokens; self_bias: (B or 1, heads, Q, keys) where keys = cached + Q tokens;
     encoder_mask: (B, source_len) 1/0 padding mask, or its `cross_attention_mask`, made once per
     decode. Returns the final hidden states (B, Q, d_model).
-    With a cache, the new tokens' keys/values are appended to it, in order (through the cache's own
-    `update`), and the encoder's keys/values are computed at the first call and reused after.
+    With a cache, the new tokens' keys/values are written at `slots` (`DecoderCache.write`), and the
+    encoder's keys/values are computed at the first call and reused after.
     `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5
     itself has none).
 
@@ -236,17 +218,17 @@ def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self
         normed = self_attention.layer_norm(hidden)
         keys, values = _heads(attention, attention.k(normed)), _heads(attention, attention.v(normed))
         if cache is not None:
-            keys, values = cache.self_attention_cache.update(keys, values, layer)
+            keys, values = cache.write(layer, slots, keys, values)
         attended = attend(attention, _heads(attention, attention.q(normed)), keys, values, self_bias)
         hidden = _finite(hidden + dropout(attention.o(attended)))
 
         attention = cross_attention.EncDecAttention
-        cached = None if cache is None else cached_cross_attention(cache, layer)
+        cached = None if cache is None else cache.encoder_part(layer)
         if cached is None:
             keys = _heads(attention, attention.k(encoder_states))                 # (B, heads, S, d_kv)
             values = _heads(attention, attention.v(encoder_states))
             if cache is not None:
-                keep_cross_attention(cache, layer, keys, values)
+                cache.keep_encoder_part(layer, keys, values)
         else:
             keys, values = cached
         normed = cross_attention.layer_norm(hidden)

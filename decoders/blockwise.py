@@ -33,7 +33,8 @@ from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
-from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Verified
+from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.drafts import Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
 from decoders.transformers_internals import shift_right
 
@@ -85,7 +86,6 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
     layout_family = "flat-causal"  # the base head trains on the sequential layout
     # Stern et al. add the heads to a trained model; with the backbone frozen the output is its own.
     builds_on_sequential = True
-    calls_stat = "blockwise_iterations"
 
     # The sequential layout, shared rather than copied: labels = s_1 <sep> ... s_m </s>.
     layout = SequentialDecoder.layout

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.drafts import DRAFT_LENGTH, MIN_ACCEPTANCE, Draft, DraftAndVerifyDecoder, Source, Verified
-from decoders.loop import NOT_PRODUCED, read_back
+from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.drafts import Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source, Verified
+from decoders.loop import read_back
 from decoders.sequential import SequentialDecoder
 
 
@@ -49,16 +48,12 @@ class SourceLookup:
     # per example: each window of `match` real source tokens that some real token follows -> where
     # the tokens after its latest occurrence start in `sources`
     continuations: list[dict[tuple[int, ...], int]]
-    # (match - 1,) -match..-2: output indices of the tokens before a row's newest one, from its
-    # count; None at match 1, where the newest token is all a row looks up
-    earlier_offsets: torch.Tensor | None
 
 
 @register("lookup")
 class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
     layout_family = SequentialDecoder.layout_family  # it decodes what the sequential decoder trains
     trains_nothing = True
-    calls_stat = "lookup_calls"
     options = {"draft_tokens": Option(4, Range(ge=1, note="source tokens offered per call"),
                                       decode_only=True),
                "match": Option(1, Range(ge=1, note="output tokens looked up in the source"),
@@ -77,7 +72,12 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
     def draft_width(self) -> int:
         return self.draft_tokens
 
-    def begin_drafts(self, model, source: Source) -> SourceLookup:
+    @property
+    def host_reads(self) -> HostReads:
+        """It drafts on the host from each row's newest token and the `match` - 1 before it."""
+        return HostReads(earlier_tokens=self.match - 1)
+
+    def begin_drafts(self, model, source: Source) -> Drafting:
         n = self.match
         sources, continuations = [], []
         # the decode's one read of its sources to the host (a host sync once per decode)
@@ -88,23 +88,11 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
             # later windows overwrite earlier ones, so each keeps its latest occurrence
             sources.append(real)
             continuations.append(dict(zip(windows, range(n, len(real)))))
-        return SourceLookup(sources, continuations,
-                            torch.arange(-n, -1, device=source.input_ids.device) if n > 1 else None)
+        return Drafting(SourceLookup(sources, continuations), Draft.nothing(len(sources)))
 
-    def host_values(self, state: SourceLookup, verified: Verified) -> dict[str, torch.Tensor]:
-        """The loop reads each row's newest token anyway (`LOOP_HOST_VALUES`); with `match` above 1
-        the ones before it (a row that has produced fewer reads NOT_PRODUCED there)."""
-        if self.match == 1:
-            return {}
-        indices = verified.count + state.earlier_offsets                     # (live, match - 1)
-        earlier = torch.where(indices >= 0, verified.produced[verified.origin, indices.clamp(min=0)],
-                              NOT_PRODUCED)
-        return {f"token_{i}": earlier[:, i] for i in range(self.match - 1)}
-
-    def draft(self, model, state: SourceLookup, verified: Verified, host: dict[str, list[int]]) -> Draft:
-        earlier = [host[f"token_{i}"] for i in range(self.match - 1)]
+    def draft(self, model, state: SourceLookup, verified: Verified, host: HostRows) -> Draft:
         m, drafts = self.draft_tokens, []
-        for row, (example, token) in enumerate(zip(host["example"], host["next_token"])):
-            start = state.continuations[example].get((*(tokens[row] for tokens in earlier), token))
+        for example, earlier, token in zip(host.examples, host.earlier, host.newest):
+            start = state.continuations[example].get((*earlier, token))
             drafts.append([] if start is None else state.sources[example][start: start + m])
         return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)

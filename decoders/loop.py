@@ -7,10 +7,10 @@ import time
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import EncoderDecoderCache
 
 from datamodules.vocabulary import SpecialTokens
 from decoders.base import DecodeOutput
+from decoders.cache import DecoderCache
 
 
 # Fill value of per-position output buffers where no token was produced (every token id is >= 0).
@@ -107,7 +107,7 @@ class LiveRows:
         there are several."""
         return self.read(torch.stack(values)) if len(values) > 1 else [self.read(values[0])]
 
-    def drop(self, done: list, cache: EncoderDecoderCache | None, *row_tensors: torch.Tensor):
+    def drop(self, done: list, cache: DecoderCache | None, *row_tensors: torch.Tensor):
         """Drop the rows whose `done` entry (host values, one per live row) is true from `index`,
         the cache and every tensor of `row_tensors` (each (live, ...)); `kept` lists the kept
         rows' positions. Returns the kept tensors, or None when no row is left."""
@@ -119,11 +119,11 @@ class LiveRows:
             keep = send(kept, self.index.device)
             self.index = self.index[keep]
             if cache is not None:
-                cache.batch_select_indices(keep)
+                cache.select_rows(keep)
             row_tensors = tuple(t[keep] for t in row_tensors)
         return row_tensors
 
-    def drop_finished(self, finished: torch.Tensor, cache: EncoderDecoderCache | None,
+    def drop_finished(self, finished: torch.Tensor, cache: DecoderCache | None,
                       *row_tensors: torch.Tensor):
         """Read back `finished` (live,) bool (`read`) and drop the finished rows (`drop`). Returns
         the kept tensors, or None when no row is left."""

@@ -58,13 +58,12 @@ from typing import Callable, NamedTuple
 
 import torch
 from transformers import T5ForConditionalGeneration
-from transformers.cache_utils import EncoderDecoderCache
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (cross_attention_mask, encode, gather_self_attention_cache,
-                               HeadTable, made_from_bias_weight, new_cache, output_logits,
-                               past_distance_bias_table, run_decoder)
+from decoders.backbone import (cross_attention_mask, encode, HeadTable, made_from_bias_weight,
+                               output_logits, past_distance_bias_table, run_decoder)
+from decoders.cache import DecoderCache, Slots
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, send
 
@@ -167,7 +166,7 @@ class Batch:
     table: HeadTable             # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
     padding_code: int            # the `Grid` code of a padding column
-    cache: EncoderDecoderCache
+    cache: DecoderCache
     rows: LiveRows
     keys: torch.Tensor           # (B', N) `Grid` codes of the cache's columns
     encoder_states: torch.Tensor  # (B', source_len, d_model)
@@ -322,7 +321,7 @@ class PipelinedDecoder(Decoder):
         width = grid_width(length - 1)
         encoder_states = encode(model, input_ids, attention_mask)
         return Batch(model, self.model_step(), table, width, padding_code=slots * width,
-                     cache=new_cache(), rows=LiveRows(batch_size, device),
+                     cache=DecoderCache(len(model.decoder.block)), rows=LiveRows(batch_size, device),
                      keys=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
                      encoder_states=encoder_states,
                      cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
@@ -364,10 +363,11 @@ class PipelinedDecoder(Decoder):
         # only the running columns get vocabulary logits: all of them, or those `running_cells` names
         cells = None if sum(running) == columns * len(running) else batch.running_cells(running)
         token, query = send([tokens, codes], batch.keys.device).unbind(0)               # (B', R) each
+        appended = Slots(start=batch.keys.size(1))     # the call's columns follow the cache's
         batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
         bias = attention_bias(batch.table, Grid(query, width), Grid(batch.keys, width))
         hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
-                           batch.cache)                                                # (B', R, d)
+                           batch.cache, appended)                                      # (B', R, d)
         hidden = hidden.flatten(0, 1) if cells is None else hidden[cells]              # (n, d)
         batch.batch_calls += 1
         return batch.rows.read(output_logits(batch.model, hidden).argmax(-1))
@@ -418,7 +418,7 @@ class PipelinedDecoder(Decoder):
         order is kept), and crop the padding every example has past its own."""
         padding = batch.keys == batch.padding_code                                     # (B', N)
         order = torch.sort(padding, dim=1, stable=True).indices[:, :most_fed]          # (B', N')
-        gather_self_attention_cache(batch.cache, order)
+        batch.cache.gather_slots(order)
         batch.keys = batch.keys.gather(1, order)
 
     def _output(self, examples: list[Example], batch_calls: int) -> DecodeOutput:

@@ -18,9 +18,9 @@ import torch
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cross_attention_mask, encode, new_cache, output_logits,
-                               past_distance_bias_table)
+from decoders.backbone import cross_attention_mask, encode, output_logits, past_distance_bias_table
 from decoders.base import OUTPUT_BOUND, Decoder
+from decoders.cache import DecoderCache, Slots
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
 
 
@@ -60,14 +60,15 @@ class SequentialDecoder(Decoder):
         # T5's causal bias, computed once: the query of step t sees keys 0..t, which lie t..0 steps
         # in its past, i.e. the last t + 1 columns of `past` (distances bound-1 .. 0).
         past = past_distance_bias_table(model, bound - 1).flip(0).T[None, :, None]  # (1, heads, 1, bound)
-        cache = new_cache()
+        cache = DecoderCache(len(model.decoder.block))
         rows = LiveRows(batch_size, device)
         produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
         run = self.model_step()
         for step in range(bound):
+            # the token at position `step` writes its keys and values at slot `step`
             hidden = run(model, step_input, past[..., bound - 1 - step:], encoder_states, cross_mask,
-                         cache)                                            # (live, 1, d_model)
+                         cache, Slots(start=step))                         # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
             produced[rows.index, step] = next_tokens
             if step + 1 == bound:

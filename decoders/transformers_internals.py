@@ -10,10 +10,6 @@ one, and the GPU tests ran on 5.17):
   refuse one the decoders' structured attention cannot pass its mask to, and set when a backbone
   is built from a configuration;
 - T5's shift of labels into decoder inputs (`T5PreTrainedModel._shift_right`);
-- the cache's layer objects (`DynamicLayer`: `update`, `keys`, `values`, `device`,
-  `is_initialized`; `DynamicCache.layers`), which the draft-and-verify loop replaces by layers
-  that write each row's tokens at its own slots, and where the encoder-decoder cache keeps the
-  encoder's keys and values once computed (`EncoderDecoderCache.is_updated`);
 - T5's module layout, which `backbone.run_decoder` runs layer by layer: a block's `layer` (self
   attention, cross attention, feed-forward), their `layer_norm` and `dropout`, an attention's
   `q`, `k`, `v`, `o`, `key_value_proj_dim` and `dropout`.
@@ -21,11 +17,6 @@ one, and the GPU tests ran on 5.17):
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
-
-# the base class of a decoder cache layer: keys and values (B, heads, K, head_dim) and the `update`
-# every attention layer calls with its new keys and values
-CacheLayer = DynamicLayer
 
 
 def bias_owner(stack):
@@ -57,33 +48,3 @@ def set_attention_implementation(config, implementation: str) -> None:
 def shift_right(model, labels: torch.Tensor) -> torch.Tensor:
     """Decoder inputs of `labels`: the start token, then the labels but the last (-100 as pad)."""
     return model._shift_right(labels)
-
-
-def self_attention_layers(cache: EncoderDecoderCache) -> list:
-    """The decoder self-attention cache's layers, one per decoder layer."""
-    return cache.self_attention_cache.layers
-
-
-def cache_with_self_attention_layers(layers: list) -> EncoderDecoderCache:
-    """A decoder cache whose self-attention part is `layers` (one `CacheLayer` per decoder layer);
-    the cross-attention part (the encoder's keys and values, computed at the first call) is
-    transformers' own."""
-    self_attention = DynamicCache()  # transformers drops batch rows only from a DynamicCache
-    self_attention.layers = layers
-    return EncoderDecoderCache(self_attention, DynamicCache())
-
-
-def cached_cross_attention(cache: EncoderDecoderCache, layer: int) -> tuple | None:
-    """The encoder's keys and values that decoder layer `layer` cached at a decode's first call
-    ((B, heads, S, d_kv) each), or None before it."""
-    if not cache.is_updated.get(layer):
-        return None
-    cached = cache.cross_attention_cache.layers[layer]
-    return cached.keys, cached.values
-
-
-def keep_cross_attention(cache: EncoderDecoderCache, layer: int, keys: torch.Tensor,
-                         values: torch.Tensor) -> None:
-    """Cache the encoder's keys and values of decoder layer `layer`, for every later call."""
-    cache.cross_attention_cache.update(keys, values, layer)
-    cache.is_updated[layer] = True

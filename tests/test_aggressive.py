@@ -34,7 +34,7 @@ def aggressive(model, drafter, drafter_model, **options):
 def assert_consistent_telemetry(out, draft_tokens):
     """The counters of every drafter (`assert_drafts_counted`; the calls are the verifier's), and
     the drafter's own."""
-    assert_drafts_counted(out, "aggressive_calls", draft_tokens, first_call_drafts=True)
+    assert_drafts_counted(out, draft_tokens, first_call_drafts=True)
     # every call yields its accepted draft tokens and one of its own (the last call may stop at an
     # accepted end token): at most one accepted draft token per example is not output
     stats = out.stats
@@ -127,7 +127,7 @@ def test_a_drafter_with_several_length_candidates_drafts_its_chosen_ones():
     with torch.no_grad():
         chosen = drafter.predict_outputs(drafter_model, encode(drafter_model, input_ids, attention_mask),
                                          attention_mask)
-        state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None))
+        state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None, None)).state
     assert chosen.host_lengths is None and state.lengths == chosen.lengths.tolist()
     assert len(set(state.lengths)) > 1, "examples of different draft lengths"
     out = decoder.generate(model, input_ids, attention_mask)

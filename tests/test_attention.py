@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from decoders import available, build_decoder
-from decoders.backbone import (MOST_TABLES, WEIGHT_TABLES, encode, hidden_mask, new_cache,
+from decoders.backbone import (MOST_TABLES, WEIGHT_TABLES, encode, hidden_mask,
                                past_distance_bias_table, relative_position_bias, run_decoder,
                                sdpa_aligned)
-from decoders.drafts import bias_tables
+from decoders.cache import DecoderCache, Slots
+from decoders.verify_tables import bias_tables
 from decoders.transformers_internals import bias_owner, set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tests.conftest import SPECIAL, random_batch, tiny_t5
@@ -40,10 +41,10 @@ def test_run_decoder_follows_the_given_structure_under_sdpa():
     outputs = []
     for model in (eager, sdpa):
         states = encode(model, input_ids, attention_mask)
-        cache = new_cache()
-        run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache)
+        cache = DecoderCache(len(model.decoder.block))
+        run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache, Slots(start=0))
         bias = relative + hidden_mask(visible, relative.dtype)
-        outputs.append(run_decoder(model, new, bias, states, attention_mask, cache))
+        outputs.append(run_decoder(model, new, bias, states, attention_mask, cache, Slots(start=3)))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10)
 
 
@@ -76,9 +77,12 @@ def test_run_decoder_is_t5s_decoder_stack(implementation, training):
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)
     with torch.no_grad():
-        cache, states = new_cache(), encode(model, input_ids, attention_mask)
-        first = run_decoder(model, tokens[:, :4], causal[:, :, :4, :4], states, attention_mask, cache)
-        rest = run_decoder(model, tokens[:, 4:], causal[:, :, 4:], states, attention_mask, cache)
+        cache = DecoderCache(len(model.decoder.block))
+        states = encode(model, input_ids, attention_mask)
+        first = run_decoder(model, tokens[:, :4], causal[:, :, :4, :4], states, attention_mask, cache,
+                            Slots(start=0))
+        rest = run_decoder(model, tokens[:, 4:], causal[:, :, 4:], states, attention_mask, cache,
+                           Slots(start=4))
     torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=0, atol=1e-10)
 
 

@@ -6,16 +6,21 @@ briefly trained one whose drafts are accepted, rows accepting different numbers 
 The decoder-specific behaviour (which drafts are offered, how many calls a construction takes) is
 tested in test_blockwise.py, test_lookup.py and test_aggressive.py."""
 import functools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.drafts import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, Draft,
-                             DraftAndVerifyDecoder, FirstTokenTally, RowSlotLayer, SlotWrites,
-                             bias_tables, call_width, counted_positions, fed_offers,
-                             next_draft_lengths)
+from decoders.cache import DecoderCache, Slots
+from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, Tally, call_width,
+                                   counted_positions, fed_offers, next_draft_lengths)
+from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
+from decoders.verify_tables import bias_tables
 from decoders.sequential import SequentialDecoder
 from decoders.loop import send, split_flat_output
 from tasks.bench import bounded, with_drafter
@@ -24,6 +29,7 @@ from tests.conftest import (SPECIAL, assert_drafts_counted, assert_same_output, 
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
+REPO = Path(__file__).resolve().parents[1]
 DRAFTERS = [name for name in available() if issubclass(decoder_class(name), DraftAndVerifyDecoder)]
 BOUND = 20
 
@@ -33,8 +39,9 @@ def test_every_draft_and_verify_decoder_is_covered():
 
 
 def drafts_first_call(decoder) -> bool:
-    """Whether the drafter drafts before the model's first token (`first_draft`)."""
-    return type(decoder).first_draft is not DraftAndVerifyDecoder.first_draft
+    """Whether the drafter drafts before the model's first token: one with a model of its own
+    drafts whole outputs (aggressive)."""
+    return decoder.drafts_with is not None
 
 
 def accepted_per_row(out) -> list[int]:
@@ -88,7 +95,7 @@ def test_a_random_model_decodes_greedily(name, seed, length, min_acceptance):
         out = decoder.generate(model, input_ids, attention_mask)
         return len(set(out.tokens)) >= 3 and not all(out.bound_hit)
     out = assert_greedy(decoder, model, *first_batch_where(varied, 6, seed=seed + 30))
-    assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width, drafts_first_call(decoder))
+    assert_drafts_counted(out, decoder.draft_width, drafts_first_call(decoder))
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -104,7 +111,7 @@ def test_a_trained_model_accepts_drafts_and_decodes_greedily(name, length):
     input_ids, attention_mask = first_batch_where(accepting, 8, max_len=9, seed=60, tries=40)
     out = assert_greedy(decoder, model, input_ids, attention_mask)
     assert sum(accepted_per_row(out)) > 0
-    assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width, drafts_first_call(decoder))
+    assert_drafts_counted(out, decoder.draft_width, drafts_first_call(decoder))
     assert out.stats["draft_tokens_accepted"] >= sum(accepted_per_row(out)) > 0
 
 
@@ -149,6 +156,7 @@ class KnowingDrafter(DraftAndVerifyDecoder):
     options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH,
                "min_acceptance": MIN_ACCEPTANCE}
     draft_width = 2
+    host_reads = HostReads()
 
     def __init__(self, *args, outputs: list[list[int]], right_until: int, on_host: bool = False,
                  offering: set[int] | None = None, **options):
@@ -156,25 +164,22 @@ class KnowingDrafter(DraftAndVerifyDecoder):
         self.outputs, self.right_until, self.on_host = outputs, right_until, on_host
         self.offering = offering   # the examples that offer drafts (None: all)
 
-    def host_values(self, state, verified):
-        return {"count": verified.count.view(-1)}
-
     def draft(self, model, state, verified, host) -> Draft:
         drafts, vocab = [], model.config.vocab_size
-        for example, count in zip(host["example"], host["count"]):
+        for example, count in zip(host.examples, host.counts):
             right = self.outputs[example][count: count + self.draft_width]
             right += [SPECIAL.pad] * (self.draft_width - len(right))
             drafts.append(right if count < self.right_until else [(token + 1) % vocab for token in right])
         offered = [self.draft_width if self.offering is None or example in self.offering else 0
-                   for example in host["example"]]
+                   for example in host.examples]
         if self.on_host:
             return Draft(None, offered, on_host=[tokens[:n] for tokens, n in zip(drafts, offered)])
         return Draft(send(drafts, verified.count.device), offered)
 
 
 def recorded_feeds(monkeypatch) -> tuple[list[bool], list[int]]:
-    """Per call after the first, whether it could feed drafts and how many draft tokens it fed,
-    recorded as the loop asks `fed_offers`."""
+    """Per call, whether it could feed drafts and how many draft tokens it fed, recorded as the
+    loop asks `fed_offers`."""
     feeding: list[bool] = []
     fed: list[int] = []
 
@@ -212,8 +217,8 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
     gated = assert_greedy(decoder, model, input_ids, attention_mask)
     began = feeding.index(True)
     stop = feeding.index(False, began)
-    # probed first (the call after the start token's), fed while right, then never again
-    assert began == 1 and sum(fed[began:stop]) > 0
+    # the start token alone, then probed (the call after it), fed while right, then never again
+    assert began == 2 and sum(fed[began:stop]) > 0
     assert not any(feeding[stop:]) and sum(fed[stop:]) == 0
     feeding.clear()
     fed.clear()
@@ -238,14 +243,14 @@ def test_a_call_feeds_drafts_only_where_enough_of_its_rows_offer_one(monkeypatch
 
 
 def test_a_tally_counts_fed_and_probed_drafts_at_their_first_token():
-    tally = FirstTokenTally(threshold=0.5)
+    tally = Tally(threshold=0.5)
     assert not tally.reached(1, 1)                           # no draft yet: probe first
     # fed 2 (1 accepted), fed 3 (0 accepted), offered nothing, probed a right and a wrong token
-    tally.add([2, 3, 0, 0, 0], [1, 0, 0, 0, 0], [None, None, None, True, False])
+    tally = tally.added([2, 3, 0, 0, 0], [1, 0, 0, 0, 0], [None, None, None, True, False])
     assert (tally.hits, tally.tries) == (2, 4) and tally.reached(1, 1)
     # a call where 4 of 5 rows offer expects 4 * 0.5 = 2 first tokens: 0.4 per row, below 0.5
     assert tally.reached(5, 5) and not tally.reached(4, 5)
-    tally.add([1], [0], [None])
+    tally = tally.added([1], [0], [None])
     assert (tally.hits, tally.tries) == (2, 5) and not tally.reached(1, 1)
 
 
@@ -272,7 +277,7 @@ def test_a_drafter_of_one_class_decodes_greedily_and_is_counted(length):
         """some draft accepted: an output repeats a token"""
         return decoder.generate(model, input_ids, attention_mask).stats["draft_tokens_accepted"] > 0
     out = assert_greedy(decoder, model, *first_batch_where(repeating, 6, seed=90))
-    assert_drafts_counted(out, decoder.calls_stat, decoder.draft_width, drafts_first_call(decoder))
+    assert_drafts_counted(out, decoder.draft_width, drafts_first_call(decoder))
 
 
 def test_the_adaptive_length_is_what_the_last_draft_achieved():
@@ -297,7 +302,7 @@ def test_a_row_feeds_at_most_its_length_and_probes_what_it_does_not_feed():
     assert fed_offers(offers, [0, 0, 0, 2, 3, 4]) == ([0, 0, 0, 1, 1, 1], [True, False, True] + [False] * 3)
     # a call that feeds no draft (most rows offer none): every row that offered probes instead
     assert fed_offers(offers, [0, 0, 0, 2, 0, 0]) == ([0] * 6, [True, False, True, True, True, True])
-    # a decode whose drafts are accepted too rarely (`FirstTokenTally`): no row feeds, every row
+    # a decode whose drafts are accepted too rarely (`Tally`): no row feeds, every row
     # that offered probes, under either length
     for lengths in (None, [4] * 6):
         assert fed_offers(offers, lengths, feeding=False) == ([0] * 6, [True, False, True, True, True, True])
@@ -326,9 +331,9 @@ def test_rows_at_one_count_read_the_bias_every_row_gathers():
 def test_only_the_positions_a_row_offers_count():
     # rows offering 0, 2 and 1 draft tokens: a call of 3 columns, whose last token and offered
     # draft tokens are positions row * 3 + 0 .. row * 3 + offer
-    assert counted_positions([0, 2, 1], torch.device("cpu")).tolist() == [0, 3, 4, 5, 6, 7]
-    assert counted_positions([2, 2], torch.device("cpu")) is None   # every position counts
-    assert counted_positions([0, 0], torch.device("cpu")) is None   # one column
+    assert counted_positions([0, 2, 1]) == [0, 3, 4, 5, 6, 7]
+    assert counted_positions([2, 2]) is None   # every position counts
+    assert counted_positions([0, 0]) is None   # one column
 
 
 def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_call():
@@ -338,19 +343,18 @@ def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_c
     # count may hold anything (the bias hides it); every slot before it must hold the key the row's
     # token there was given, and a call returns every slot below its width.
     torch.manual_seed(0)
-    writes = SlotWrites(torch.arange(2)[:, None], None, width=0, most=32)
-    layer, written = RowSlotLayer(writes), {}
+    cache, written = DecoderCache(1, most_slots=32), {}
 
     def call(counts: list[int], queries: int):
         keys = torch.randn(2, 2, queries, 3, dtype=torch.float64)
-        writes.width = max(counts) + queries
+        width = max(counts) + queries
         if len(set(counts)) == 1:
-            writes.start = counts[0]
+            slots = Slots(start=counts[0])
         else:
-            writes.start = None
-            writes.slots = torch.tensor(counts)[:, None] + torch.arange(queries)
-        stored_keys, stored_values = layer.update(keys, -keys)
-        assert stored_keys.shape == (2, 2, writes.width, 3)
+            slots = Slots(each=torch.tensor(counts)[:, None] + torch.arange(queries),
+                          rows=torch.arange(2)[:, None], width=width)
+        stored_keys, stored_values = cache.write(0, slots, keys, -keys)
+        assert stored_keys.shape == (2, 2, width, 3)
         for row, count in enumerate(counts):
             for fed in range(queries):
                 written[row, count + fed] = keys[row, :, fed]
@@ -365,3 +369,28 @@ def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_c
     call([6, 6], 1)          # a one-token call right after
     call([7, 7], 3)          # a draft of 2 at one count
     call([9, 8], 4)          # different counts again, the buffer growing past what it held
+
+
+def test_the_readmes_drafter_is_one_class_that_decodes_greedily():
+    """The README's drafter, as written there, in a process of its own (it registers a decoder):
+    registered by its one class, it decodes a random model as the sequential decoder does."""
+    readme = (REPO / "README.md").read_text()
+    example = next(block.split("```")[0] for block in readme.split("```python")[1:]
+                   if "DraftAndVerifyDecoder" in block)
+    check = textwrap.dedent("""
+        import torch
+        from decoders import build_decoder
+        from tests.conftest import SPECIAL, random_batch, sequential, tiny_t5
+        torch.set_default_dtype(torch.float64)
+        model = tiny_t5(0)
+        input_ids, attention_mask = random_batch(6, seed=90)
+        out = build_decoder("repeats", model.config, SPECIAL, max_new_tokens=20).generate(
+            model, input_ids, attention_mask)
+        reference = sequential(model, 20).generate(model, input_ids, attention_mask)
+        assert out.subsequences == reference.subsequences and out.tokens == reference.tokens
+        assert out.stats["draft_tokens_offered"] > 0
+        print("greedy")
+        """)
+    done = subprocess.run([sys.executable, "-c", example + check], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "greedy", done.stderr[-3000:]

@@ -12,9 +12,10 @@ import lightning as L
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from transformers.cache_utils import DynamicCache
 
 from decoders import build_decoder
-from decoders.transformers_internals import CacheLayer, bias_owner, relative_position_buckets
+from decoders.transformers_internals import bias_owner, relative_position_buckets
 from tasks import fit
 from tasks.config import compose
 from tasks.models import build_backbone
@@ -40,11 +41,11 @@ def test_teacher_forced_losses_build_no_cache(name, monkeypatch):
     """The losses that run T5's own forward over the whole target ask it for no key/value cache: every
     position's keys and values are computed at once, and a cache would only copy them."""
     def no_update(*args, **kwargs):
-        raise AssertionError("a cache layer was written during a training loss")
+        raise AssertionError("a cache was written during a training loss")
     model = tiny_t5(0)
     input_ids, attention_mask = random_batch(2, seed=4)
     decoder = build_decoder(name, model.config, SPECIAL)
-    monkeypatch.setattr(CacheLayer, "update", no_update)
+    monkeypatch.setattr(DynamicCache, "update", no_update)   # transformers' own cache
     loss = decoder.loss(model, input_ids, attention_mask, decoder.layout([[[7, 8], [9]], [[10]]]))
     assert torch.isfinite(loss)
 

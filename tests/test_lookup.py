@@ -10,7 +10,7 @@ import torch
 
 from decoders import build_decoder, decoder_class
 from decoders.base import Decoder
-from decoders.drafts import Source, Verified
+from decoders.drafts import HostRows, Source, Verified
 from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
@@ -70,7 +70,6 @@ def lookup_replay(source: list[int], output: list[int], draft_tokens: int, match
 def assert_replayed(out, replays: list[Replay]):
     """Per row the calls of the replay, and the counters summed over the batch."""
     assert out.decoder_calls == [r.calls for r in replays]
-    assert out.stats["lookup_calls"] == sum(out.decoder_calls)
     assert out.stats["draft_tokens_offered"] == sum(r.offered for r in replays)
     assert out.stats["calls_with_draft"] == sum(r.with_draft for r in replays)
     if not any(r.past_end for r in replays):
@@ -81,9 +80,9 @@ def assert_replayed(out, replays: list[Replay]):
 def assert_consistent_counters(out, draft_tokens: int, no_cut: bool):
     """The counters of every drafter (`assert_drafts_counted`), and where nothing was cut by an end
     token or the bound (`no_cut`), exactly the accepted draft tokens and one token per call out."""
-    assert_drafts_counted(out, "lookup_calls", draft_tokens)
+    assert_drafts_counted(out, draft_tokens)
     if no_cut:
-        assert sum(out.tokens) == out.stats["lookup_calls"] + out.stats["draft_tokens_accepted"]
+        assert sum(out.tokens) == sum(out.decoder_calls) + out.stats["draft_tokens_accepted"]
 
 
 @pytest.mark.parametrize("seed,draft_tokens,match", [(0, 8, 1), (1, 4, 1), (2, 3, 1), (3, 1, 1)])
@@ -191,15 +190,14 @@ def test_the_table_drafts_what_scanning_the_source_drafts(match):
     decoder = lookup(model, draft_tokens=3, match=match)
     rows = [[10, 11, 12, 10, 13, 14, 12], [12, 12, 40, 5], [5]]
     input_ids, attention_mask = padded(rows)
-    state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None))
+    state = decoder.begin_drafts(model, Source(input_ids, attention_mask, None, None)).state
     verified = Verified(None, None, torch.ones(3, 1, dtype=torch.long), None, None, None)
     endings = [[token] for token in range(VOCAB)]
     if match == 2:
         endings = [[earlier, token] for earlier in (10, 12, 40, SPECIAL.pad) for token in range(VOCAB)]
     offered = 0
     for ending in endings:
-        host = {"example": [0, 1, 2], "next_token": [ending[-1]] * 3,
-                **({"token_0": [ending[0]] * 3} if match == 2 else {})}
+        host = HostRows([0, 1, 2], [ending[-1]] * 3, [1] * 3, [ending[:-1]] * 3, [False] * 3)
         draft = decoder.draft(model, state, verified, host)
         expected = [lookup_draft(row, ending, 3, match) for row in rows]
         assert draft.offered == [len(tokens) for tokens in expected], ending

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from decoders.backbone import new_cache
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output
 from tasks.comparison.measure import PeakMemory, interleaved_passes
@@ -81,7 +81,7 @@ class TransformersGenerate:
             # (`num_layers`), and fails on a decoder deeper than its encoder (`num_decoder_layers`)
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                  num_beams=1, max_new_tokens=self.max_new_tokens,
-                                 cache=new_cache(), **lookup)
+                                 cache=EncoderDecoderCache(DynamicCache(), DynamicCache()), **lookup)
         finally:
             counting.remove()
         rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
