@@ -39,7 +39,7 @@ from tasks.baselines import scored_baselines
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
-from tasks.comparison.report import not_learned, primary_metric, speedup_cell
+from tasks.comparison.report import bound_share, not_learned, primary_metric, speedup_cell
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
                                      time_decoders, timing_conditions)
 from tasks.config import ConfigError
@@ -50,12 +50,11 @@ GENERATE = "transformers generate"
 
 
 def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
-    """A row's quality (the task's test scores) and share of outputs cut by a bound, from the
+    """A row's quality (the task's test scores) and count of outputs cut by a bound, from the
     outputs of its last timed pass."""
-    hits = [hit for out in timing.outputs for hit in out.bound_hit]
     predictions = subsequence_texts(tokenizer, timing.subsequences())
     return {"quality": task_scores(cfg, tokenizer, predictions, records),
-            "bound_hit_fraction": sum(hits) / len(hits)}
+            "bound_hits": sum(hit for out in timing.outputs for hit in out.bound_hit)}
 
 
 def drafter_share(timing) -> float | None:
@@ -105,7 +104,8 @@ def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
     every row when the first (the speedups' reference) did not, has no speedup."""
     for row in rows:
         widest = max((r for r in rows if r["decoder"] == row["decoder"]), key=lambda r: r["examples"])
-        row["not_learned"] = not_learned(widest, primary, baselines)
+        row["not_learned"] = not_learned(widest["quality"], bound_share(widest, widest["examples"]),
+                                         primary, baselines)
     for batch_size in {row["batch_size"] for row in rows}:
         same = [row for row in rows if row["batch_size"] == batch_size]
         for row in same:
@@ -138,7 +138,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
                      f"{speedup_cell(r, 'speedup')} | "
                      f"{r['peak_memory_mb']:.1f} | {memory} | {r['decoder_calls_per_example']:.1f} | "
-                     f"{r['quality'][primary]:.3f} | {r['bound_hit_fraction']:.0%} |")
+                     f"{r['quality'][primary]:.3f} | {bound_share(r, r['examples']):.0%} |")
     baselines = result["baselines"]
     if baselines:
         lines += ["", "Baselines (no model): " + "; ".join(
