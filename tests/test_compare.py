@@ -24,7 +24,7 @@ from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
 from tasks.runs.trainer import Trained, build, score_into_run
 from tests.conftest import save_checkpoint
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
-from tests.test_faults import fails_before_any_work
+from tests.test_faults import REPO, fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
@@ -829,3 +829,24 @@ def test_the_plots_are_drawn_from_the_json_alone(tmp_path):
         "cmp_speedup_vs_subsequences.png", "cmp_quality_vs_speed.png", "cmp_vs_delay.png"]
     assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in tmp_path.glob("*.png"))
 
+
+def stored_comparisons() -> list[Path]:
+    """The comparisons under results/ (a tasks.compare JSON with its table beside it)."""
+    paths = []
+    for path in sorted((REPO / "results").glob("*.json")):
+        stored = json.loads(path.read_text())
+        rows = stored.get("rows") if isinstance(stored, dict) else None
+        if rows and "examples_per_second_bs1" in rows[0] and path.with_suffix(".md").is_file():
+            paths.append(path)
+    return paths
+
+
+def test_the_stored_comparisons_are_found():
+    names = {path.name for path in stored_comparisons()}
+    assert {"builtin_keyphrase.json", "kp20k_drafts.json", "builtin_keyphrase_stop_rule.json"} <= names
+
+
+@pytest.mark.parametrize("path", stored_comparisons(), ids=lambda path: path.name)
+def test_a_stored_comparison_renders_its_stored_table_byte_for_byte(path):
+    assert markdown(judge(json.loads(path.read_text()))).encode() == \
+        path.with_suffix(".md").read_bytes()
