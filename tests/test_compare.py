@@ -204,7 +204,7 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     for row in result["rows"]:
         assert (row["speedup"] is None) == (row["not_learned"] is not None or
                                             result["rows"][0]["not_learned"] is not None)
-    assert all(r["drafter_time_share"] is None for r in result["rows"])   # none drafts with a model
+    assert all(r["decode_time_shares"] == {} for r in result["rows"])   # none drafts with a model
     table = out.with_suffix(".md").read_text()
     assert "not GPU figures" in table and ", 1 thread(s)," in table   # --threads' default
     assert result["threads"] == torch.get_num_threads() == 1
@@ -244,14 +244,14 @@ def test_decode_only_benchmarks_refuse_bad_arguments():
 
 def test_a_drafters_share_of_the_time_is_that_of_the_last_timed_pass():
     from decoders import DecodeOutput
-    from tasks.bench.gpu_benchmark import drafter_share
+    from tasks.bench.gpu_benchmark import decode_time_shares
     from tasks.comparison.timing import Timing
 
     def output(**stats):
         return DecodeOutput([[]], [1], [1], [False], 1, stats)
     drafting = Timing([3.0, 2.0], 1.0, 0.0, [output(drafter_seconds=0.25), output(drafter_seconds=0.75)])
-    assert drafter_share(drafting) == 0.5
-    assert drafter_share(Timing([1.0], 1.0, 0.0, [output(accepted_tokens=1.0)])) is None
+    assert decode_time_shares(drafting) == {"drafter_seconds": 0.5}
+    assert decode_time_shares(Timing([1.0], 1.0, 0.0, [output(draft_tokens_offered=1.0)])) == {}
 
 
 # ---- --ckpt: checked against the plan ------------------------------------------------------------

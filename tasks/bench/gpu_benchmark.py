@@ -57,11 +57,16 @@ def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
             "bound_hits": sum(hit for out in timing.outputs for hit in out.bound_hit)}
 
 
-def drafter_share(timing) -> float | None:
-    """The share of the last timed pass a drafter with a model of its own spent drafting (its
-    `drafter_seconds`), the rest being the verifier's; None for a decoder without one."""
-    drafting = [out.stats["drafter_seconds"] for out in timing.outputs if "drafter_seconds" in out.stats]
-    return sum(drafting) / timing.pass_seconds[-1] if drafting else None
+def decode_time_shares(timing) -> dict[str, float]:
+    """Each time counter (`*_seconds`) of the decoder's, summed over the last timed pass, as its
+    share of that pass's seconds (aggressive's `drafter_seconds`: its drafter's share, the rest
+    being the verifier's), as a comparison's JSON holds them."""
+    totals: dict[str, float] = {}
+    for out in timing.outputs:
+        for name, value in out.stats.items():
+            if name.endswith("_seconds"):
+                totals[name] = totals.get(name, 0.0) + value
+    return {name: value / timing.pass_seconds[-1] for name, value in totals.items()}
 
 
 def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch_sizes: list[int],
@@ -93,7 +98,7 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
                          "memory_vs_first": timing.peak_memory_mb / timings[first].peak_memory_mb
                          if timings[first].peak_memory_mb > 0 else None,
                          "decoder_calls_per_example": timing.calls_per_example,
-                         "drafter_time_share": drafter_share(timing),
+                         "decode_time_shares": decode_time_shares(timing),
                          **scored(cfg, datamodule.tokenizer, timing, records)})
     return rows, differing
 
@@ -145,9 +150,8 @@ def markdown(result: dict) -> str:
             f"{b['baseline']} {b['quality'][primary]:.3f}" for b in baselines)]
     lines += [f"Not learned: {r['decoder']} (batch {r['batch_size']}): {r['not_learned']}"
               for r in result["rows"] if r["not_learned"]]
-    lines += [f"{r['decoder']} (batch {r['batch_size']}): its drafter took {r['drafter_time_share']:.0%} of "
-              f"the decode time, the verifier the rest" for r in result["rows"]
-              if r.get("drafter_time_share") is not None]
+    lines += [f"{r['decoder']} (batch {r['batch_size']}): {name} took {share:.0%} of the decode time"
+              for r in result["rows"] for name, share in r.get("decode_time_shares", {}).items()]
     lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
