@@ -528,7 +528,7 @@ def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
     assert rows["sequential"]["counters_per_call"] == rows["nar"]["counters_per_call"] == {}
     table = out.with_suffix(".md").read_text()
     assert "| aggressive(top_k=3) (inexact)" in table and "aggressive(top_k=1) (inexact)" not in table
-    assert "draft tokens offered/call" in table
+    assert "draft_tokens_offered/call" in table and "drafter_seconds share of decode time" in table
 
 
 def restored_aggressive(saved_checkpoints, drafter: str):
