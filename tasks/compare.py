@@ -61,6 +61,7 @@ import argparse
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,20 +77,31 @@ from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, check_draft
                                    training_key, training_label, user_sets)
 from tasks.comparison.resume import (PLAN_FILE, Attempt, Resumed, abandon, comparison_runs,
                                      find_comparison, plan_digest, plan_record, resumable_fit)
-from tasks.comparison.report import markdown, plots, report, summary_metrics
+from tasks.comparison.report import markdown, plots, summary_metrics
+from tasks.comparison.result import comparison_result
 from tasks.config import ConfigError
-from tasks.module import TASK_MODULES
+from tasks.module import TASK_MODULES, Evaluation
 from tasks.cli import (LATEST, add_resume_argument, base_parser, command_line, log, main_guard,
                        parse_with_resume, write_report)
 from tasks.runs.checkpoints import last_checkpoint, load_checkpoint
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, compare_runs_link, default_run_name,
                                  nested_under, open_tracking, reopen_run, run_link, run_status)
-from tasks.runs.trainer import (Built, decode_target, decoder_options, make_trainer, score_into_run,
+from tasks.runs.trainer import (Built, decode_target, decoder_options, evaluate_test, score_into_run,
                                 train_and_test)
 from tasks.runs.restore import attach_drafter, restore, tokenizer_identity
 
 # `plan`'s rows: each one's resolved configuration and the decoder options its sweep set.
 PlannedRows = list[tuple[DictConfig, list[str]]]
+
+
+@dataclass(frozen=True)
+class Tested:
+    """A row's model and data, its run, its test pass and its training's seconds here (None when it
+    trained nothing here), as `fit_rows` gets them before it makes the row."""
+    built: Built
+    logger: MLFlowLogger
+    evaluation: Evaluation
+    fit_seconds: float | None
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -171,26 +183,21 @@ def check_drafter(drafter: dict, drafter_path: str, verifier: dict, verifier_pat
 
 
 def score_row(cfg: DictConfig, built, tags: dict, callbacks: list,
-              attempt: Attempt | None = None) -> Row:
+              attempt: Attempt | None = None) -> Tested:
     """Decode and score the test split with an already-trained module, as a new MLflow run; a row
     that finished before the comparison was interrupted (`attempt`) keeps its run (`reused_row`)."""
     if attempt is not None and attempt.finished:
         return reused_row(cfg, built, attempt, callbacks)
     abandon(cfg, attempt, "interrupted while scoring; scored again in the resumed comparison")
     logger = open_tracking(cfg, f"{cfg.decoder.name} {cfg.model.name} {cfg.data.source}", tags=tags)
-    score_into_run(logger, cfg, built, callbacks=callbacks)
-    return Row(cfg, built.module, built.datamodule, logger)
+    return Tested(built, logger, score_into_run(logger, cfg, built, callbacks=callbacks), None)
 
 
-def reused_row(cfg: DictConfig, built, attempt: Attempt, callbacks: list) -> Row:
+def reused_row(cfg: DictConfig, built, attempt: Attempt, callbacks: list) -> Tested:
     """A row that finished before its comparison was interrupted, in its own run: its model's test
     split decoded again here (nothing trained, nothing logged), for the table and the timing."""
     logger = open_tracking(cfg, default_run_name(cfg), run_id=attempt.run_id)
-    make_trainer(cfg, None, callbacks=callbacks).test(built.module, datamodule=built.datamodule,
-                                                      verbose=False)
-    row = Row(cfg, built.module, built.datamodule, logger)
-    row.fit_seconds = attempt.fit_seconds
-    return row
+    return Tested(built, logger, evaluate_test(cfg, built, None, callbacks), attempt.fit_seconds)
 
 
 def with_decoder(cfg: DictConfig, trained: Built, checkpoint: str) -> Built:
@@ -236,17 +243,18 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
         log.info("row %d of %d: %s (%s)%s", place, len(planned), row_label(cfg, swept), training,
                  attempt_note(cfg, attempt))
         if key in trained:
-            row = score_row(cfg, with_decoder(cfg, *trained[key]), row_tags, callbacks, attempt)
+            tested = score_row(cfg, with_decoder(cfg, *trained[key]), row_tags, callbacks, attempt)
         elif name in checkpoints:
             trained[key] = restore(loaded[name], checkpoints[name], cfg), checkpoints[name]
-            row = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
-                            callbacks, attempt)
+            tested = score_row(cfg, trained[key][0], {**row_tags, "checkpoint": checkpoints[name]},
+                               callbacks, attempt)
         elif decoder_class(name).trains_nothing:  # the sequential row's model, as it is
-            row = score_row(cfg, with_decoder(cfg, *first["sequential"]), row_tags, callbacks, attempt)
+            tested = score_row(cfg, with_decoder(cfg, *first["sequential"]), row_tags, callbacks,
+                               attempt)
         elif attempt is not None and attempt.finished:  # trained before: its tested checkpoint
-            tested = attempt.tags["tested_checkpoint"]
-            trained[key] = restore(load_checkpoint(tested), tested, cfg), tested
-            row = reused_row(cfg, trained[key][0], attempt, callbacks)
+            checkpoint = attempt.tags["tested_checkpoint"]
+            trained[key] = restore(load_checkpoint(checkpoint), checkpoint, cfg), checkpoint
+            tested = reused_row(cfg, trained[key][0], attempt, callbacks)
         else:
             resume = resumable_fit(cfg, attempt)
             if resume is None:
@@ -254,16 +262,12 @@ def fit_rows(planned: PlannedRows, starts: list[bool], checkpoints: dict[str, st
                                       "the resumed comparison")
             result = train_and_test(cfg, tags=row_tags, resume=resume, callbacks=callbacks)
             trained[key] = result.built, result.checkpoint
-            row = Row(cfg, result.built.module, result.built.datamodule, result.logger)
-            row.fit_seconds = result.fit_seconds
+            tested = Tested(result.built, result.logger, result.tested, result.fit_seconds)
         if name not in first and key in trained:
             first[name] = trained[key]
-        row.swept = swept
-        row.training = training
-        row.quality = dict(row.module.quality_scores)
-        row.telemetry = dict(row.module.test_scores)
-        row.wall_seconds = time.perf_counter() - started
-        rows[index] = row
+        rows[index] = Row(cfg, tested.built.module, tested.built.datamodule, tested.logger,
+                          tested.evaluation, swept, training, tested.fit_seconds,
+                          time.perf_counter() - started)
     return rows
 
 
@@ -288,11 +292,11 @@ def log_speeds(rows: list[Row], result: dict, conditions: dict) -> None:
         row.logger.log_hyperparams({f"speed.{key}": value for key, value in conditions.items()})
 
 
-def write_results(out: str, rows: list[Row], result: dict) -> tuple[str, list[Path]]:
+def write_results(out: str, result: dict) -> tuple[str, list[Path]]:
     """FILE.json, FILE.md and the plots; returns the table and the files' paths."""
     table = markdown(result)
     path = write_report(out, result, table)
-    return table, [path, path.with_suffix(".md"), *plots(rows, result, path.with_suffix(""))]
+    return table, [path, path.with_suffix(".md"), *plots(result, path.with_suffix(""))]
 
 
 def log_comparison(comparison: MLFlowLogger, result: dict, conditions: dict,
@@ -334,13 +338,15 @@ def main(argv: list[str] | None = None) -> dict:
             tags = {"comparison_id": comparison_id, "role": "row", **nested_under(comparison)}
             rows = fit_rows(planned, starts, checkpoints, loaded, tags, callbacks=[watcher],
                             attempts=resumed.attempts if resumed else {})
-            timing = measure_speed(rows, target, cfg.eval.batch_size, args.repeats, args.speed_examples)
+            measured = measure_speed(rows, target, cfg.eval.batch_size, args.repeats,
+                                     args.speed_examples)
             # on the rows' test split, through their tokenizer and data limits (the first row's data)
             baselines = [entry for entry, _ in scored_baselines(cfg, rows[0].datamodule)]
-            result = report(rows, cfg, torch.get_num_threads(), timing, baselines)
+            result = comparison_result(rows, cfg, torch.get_num_threads(), measured,
+                                       args.speed_examples, baselines)
             conditions = {key: result[key] for key in ("device", "threads", "flush_denormal")}
             log_speeds(rows, result, conditions)
-            table, written = write_results(args.out, rows, result)
+            table, written = write_results(args.out, result)
             log_comparison(comparison, result, conditions, written)
     except BaseException:
         log.error("comparison %s was interrupted; its finished rows are kept, and an interrupted fit "

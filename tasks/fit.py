@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> dict:
         resume = find_resumable(cfg, None if args.resume is LATEST else args.resume)
         log.info("resuming MLflow run %s from %s", resume.run_id, resume.checkpoint)
     result = train_and_test(cfg, resume=resume)
-    log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.scores.items())))
+    log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.tested.scores.items())))
     log.info("checkpoint: %s", result.checkpoint)
     log.info("MLflow run %s in experiment %r (%s); wall time %.1fs", result.logger.run_id,
              experiment_name(cfg), cfg.tracking.uri, time.perf_counter() - started)
     log.info("in the MLflow UI: %s", run_link(cfg, result.logger))
-    return {"run_id": result.logger.run_id, "checkpoint": result.checkpoint, "scores": result.scores}
+    return {"run_id": result.logger.run_id, "checkpoint": result.checkpoint, "scores": result.tested.scores}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import lightning as L
 import numpy as np
@@ -56,6 +57,22 @@ def subsequence_texts(tokenizer, subsequences: list[list[list[int]]]) -> list[li
     return [[text for text in subs if text] for subs in texts]
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What one validation or test pass measured over its whole split: the task's quality scores,
+    the decoding telemetry (`DecodeTelemetry.summary`), the decoder's own counters
+    (`DecodeOutput.stats`, summed over the split) and the number of examples decoded."""
+    quality: dict[str, float]
+    telemetry: dict[str, float]
+    counters: dict[str, float]
+    examples: int
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Everything the pass logs, as it logs it (`<split>/<name>`): quality, telemetry, counters."""
+        return {**self.quality, **self.telemetry, **self.counters}
+
+
 class DecodeTelemetry:
     """Per-example decoding counters of one validation/test pass, keyed by dataset index."""
 
@@ -68,15 +85,13 @@ class DecodeTelemetry:
         n = max(len(self.rows), 1)
         calls = sum(r["decoder_calls"] for r in self.rows.values())
         tokens = sum(r["tokens"] for r in self.rows.values())
-        out = {
+        return {
             "examples_per_second": len(self.rows) / self.seconds if self.seconds else 0.0,
             "decoder_calls_per_example": calls / n,
             "tokens_per_call": tokens / calls if calls else 0.0,
             "bound_hits": float(sum(r["bound_hit"] for r in self.rows.values())),
             "decode_seconds": self.seconds,
         }
-        out.update(self.stats)
-        return out
 
     @classmethod
     def merged(cls, parts: list["DecodeTelemetry"]) -> "DecodeTelemetry":
@@ -196,7 +211,7 @@ class GenerationTask(BackboneTraining):
         super().__init__(cfg, backbone, decoder, tokenizer)
         self.metrics = torch.nn.ModuleDict(self.make_metrics(cfg, tokenizer))
         self.telemetry = DecodeTelemetry()
-        self.bound_hits: dict[str, tuple[int, int]] = {}  # split -> (outputs cut by a bound, examples)
+        self.evaluations: dict[str, Evaluation] = {}  # split ("val", "test") -> its last pass's
 
     # -- what a task defines: functions of the configuration and the data alone (`task_scores`) --
     @staticmethod
@@ -251,24 +266,25 @@ class GenerationTask(BackboneTraining):
             metric.reset()
         self.telemetry = DecodeTelemetry()
 
-    def _eval_end(self, split: str) -> dict[str, float]:
-        """Log and return the task's quality scores followed by the decoding telemetry.
+    def _eval_end(self, split: str) -> None:
+        """The pass's `Evaluation`, kept as `evaluations[split]` and logged (`<split>/<name>`).
 
         Under DDP each process decoded its own shard: the metrics' `compute` sums their statistics
         over the processes, and the telemetry (hence the predictions) is gathered here, so every
         process holds and logs the same whole-split values."""
-        self.quality_scores = computed_scores(self.metrics)
+        quality = computed_scores(self.metrics)
         world, _ = process_group()
         if world > 1:
             parts = [None] * world
             dist.all_gather_object(parts, self.telemetry)
             self.telemetry = DecodeTelemetry.merged(parts)
-        scores = {**self.quality_scores, **self.telemetry.summary()}
-        self.bound_hits[split] = int(scores["bound_hits"]), len(self.telemetry.rows)
+        evaluation = Evaluation(quality, self.telemetry.summary(), dict(self.telemetry.stats),
+                                len(self.telemetry.rows))
+        self.evaluations[split] = evaluation
         # The values are already whole-split ones, equal on every process: reducing them with
         # "max" keeps them exact (and stops Lightning advising to reduce epoch-level values).
-        self.log_dict({f"{split}/{k}": v for k, v in scores.items()}, sync_dist=True, reduce_fx="max")
-        return scores
+        self.log_dict({f"{split}/{k}": v for k, v in evaluation.scores.items()}, sync_dist=True,
+                      reduce_fx="max")
 
     def validation_step(self, batch, batch_idx):
         self._eval_step(batch, "validation")
@@ -286,7 +302,7 @@ class GenerationTask(BackboneTraining):
         self._eval_end("val")
 
     def on_test_epoch_end(self):
-        self.test_scores = self._eval_end("test")
+        self._eval_end("test")
         self.warn_bound_hits("test")
 
     def on_fit_end(self):
@@ -296,7 +312,10 @@ class GenerationTask(BackboneTraining):
         """One warning when at least BOUND_WARNING_SHARE of the last `split` pass's outputs were
         stopped by a decoder bound instead of their own end token (each pass logs the count as
         `<split>/bound_hits`)."""
-        hits, examples = self.bound_hits.get(split, (0, 0))
+        evaluation = self.evaluations.get(split)
+        if evaluation is None:
+            return
+        hits, examples = int(evaluation.telemetry["bound_hits"]), evaluation.examples
         if examples and hits / examples >= BOUND_WARNING_SHARE and self.global_rank == 0:
             log.warning("%s: %d of %d examples reached one of the decoder's length or step bounds "
                         "before ending by themselves; their outputs may be cut (see the decoder's "

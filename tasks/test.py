@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_trainer(cfg)
     logger = open_tracking(cfg, f"test {default_run_name(cfg)}", tags={"checkpoint": args.ckpt})
     built = restore(checkpoint, args.ckpt, cfg)
-    score_into_run(logger, cfg, built)
-    scores = built.module.test_scores
+    scores = score_into_run(logger, cfg, built).scores
     log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in sorted(scores.items())))
     log.info("MLflow run %s; wall time %.1fs", logger.run_id, time.perf_counter() - started)
     log.info("in the MLflow UI: %s", run_link(cfg, logger))

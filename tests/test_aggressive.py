@@ -520,15 +520,15 @@ def test_compare_drafts_with_the_nar_row_and_verifies_with_the_sequential_row(
         params = client.get_run(rows[label]["mlflow_run_id"]).data.params
         assert (params["decoder.drafter"], params["train.init_from"]) == (nar_ckpt, sequential_ckpt)
         assert rows[label]["training"] == "none: sequential model, nar row's drafter"
-        drafts = rows[label]["drafts"]
-        assert 0 <= drafts["draft_tokens_accepted_per_call"] <= drafts["draft_tokens_offered_per_call"]
-        assert drafts["redrafts_per_call"] >= 0 and drafts["drafts_cut_at_separator_per_call"] >= 0
-        assert 0 < drafts["drafter_time_share"] < 1
+        counters = rows[label]["counters_per_call"]
+        assert 0 <= counters["draft_tokens_accepted"] <= counters["draft_tokens_offered"]
+        assert counters["redrafts"] >= 0 and counters["drafts_cut_at_separator"] >= 0
+        assert 0 < rows[label]["decode_time_shares"]["drafter_seconds"] < 1
     assert [rows[label]["inexact"] for label in rows] == [False, False, True, False]
-    assert rows["sequential"]["drafts"] is None and rows["nar"]["drafts"] is None
+    assert rows["sequential"]["counters_per_call"] == rows["nar"]["counters_per_call"] == {}
     table = out.with_suffix(".md").read_text()
     assert "| aggressive(top_k=3) (inexact)" in table and "aggressive(top_k=1) (inexact)" not in table
-    assert "draft tokens offered/call" in table
+    assert "draft_tokens_offered/call" in table and "drafter_seconds share of decode time" in table
 
 
 def restored_aggressive(saved_checkpoints, drafter: str):

@@ -10,24 +10,26 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from tasks import compare, test as test_entry
-from tasks.comparison.plan import (BACKBONES, Row, check_checkpoint, on_sequential,
-                                   parse_checkpoints, parse_decoders, plan, row_label, row_settings,
+from tasks.comparison.plan import (BACKBONES, check_checkpoint, on_sequential, parse_checkpoints,
+                                   parse_decoders, plan, row_label, row_settings, settings_label,
                                    training_label, user_sets)
 from tasks.comparison import report
 from tasks.comparison.measure import interleaved_passes
+from tasks.comparison.result import counter_figures
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.cli import command_line
 from tasks.config import ConfigError, compose
+from tasks.module import Evaluation
 from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
 from tasks.runs.trainer import Trained, build, score_into_run
 from tests.conftest import save_checkpoint
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
-from tests.test_faults import fails_before_any_work
+from tests.test_faults import REPO, fails_before_any_work
 
 ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "examples_per_second_batch",
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
-            "tokens_per_call", "bound_hits", "bound_hit_fraction", "peak_memory_mb", "training",
-            "trained_parameters", "fit_seconds"}
+            "tokens_per_call", "bound_hits", "peak_memory_mb", "training", "trained_parameters",
+            "fit_seconds", "counters_per_call", "decode_time_shares", "example_seconds_bs1"}
 
 
 @pytest.mark.slow
@@ -98,8 +100,8 @@ def test_compare_writes_table_json_plots_and_tagged_runs(tmp_path):
     for row in written["rows"]:
         cut = [p["bound_hit"] for p in
                run_artifact_rows(client, row["mlflow_run_id"], tmp_path / row["label"])]
-        assert row["bound_hits"] == sum(cut) and row["bound_hit_fraction"] == sum(cut) / len(cut)
-        assert f"| {row['bound_hits']} ({row['bound_hit_fraction']:.3f}) |" in table
+        assert row["bound_hits"] == sum(cut) and written["test_examples"] == len(cut)
+        assert f"| {sum(cut)} ({sum(cut) / len(cut):.3f}) |" in table
 
 
 def test_sweep_of_an_option_no_decoder_has_is_refused():
@@ -202,7 +204,7 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     for row in result["rows"]:
         assert (row["speedup"] is None) == (row["not_learned"] is not None or
                                             result["rows"][0]["not_learned"] is not None)
-    assert all(r["drafter_time_share"] is None for r in result["rows"])   # none drafts with a model
+    assert all(r["decode_time_shares"] == {} for r in result["rows"])   # none drafts with a model
     table = out.with_suffix(".md").read_text()
     assert "not GPU figures" in table and ", 1 thread(s)," in table   # --threads' default
     assert result["threads"] == torch.get_num_threads() == 1
@@ -242,14 +244,14 @@ def test_decode_only_benchmarks_refuse_bad_arguments():
 
 def test_a_drafters_share_of_the_time_is_that_of_the_last_timed_pass():
     from decoders import DecodeOutput
-    from tasks.bench.gpu_benchmark import drafter_share
+    from tasks.bench.gpu_benchmark import decode_time_shares
     from tasks.comparison.timing import Timing
 
     def output(**stats):
         return DecodeOutput([[]], [1], [1], [False], 1, stats)
     drafting = Timing([3.0, 2.0], 1.0, 0.0, [output(drafter_seconds=0.25), output(drafter_seconds=0.75)])
-    assert drafter_share(drafting) == 0.5
-    assert drafter_share(Timing([1.0], 1.0, 0.0, [output(accepted_tokens=1.0)])) is None
+    assert decode_time_shares(drafting) == {"drafter_seconds": 0.5}
+    assert decode_time_shares(Timing([1.0], 1.0, 0.0, [output(draft_tokens_offered=1.0)])) == {}
 
 
 # ---- --ckpt: checked against the plan ------------------------------------------------------------
@@ -412,8 +414,8 @@ def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_pat
         fitted.append(cfg.decoder.name)
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
-        score_into_run(logger, cfg, built, callbacks)
-        return Trained(built, logger, "sequential.ckpt", built.module.test_scores, fit_seconds=1.0)
+        tested = score_into_run(logger, cfg, built, callbacks)
+        return Trained(built, logger, "sequential.ckpt", tested, fit_seconds=1.0)
 
     monkeypatch.setattr(compare, "train_and_test", tested_untrained)
     result = compare.main(["--decoders", "sequential,lookup", "--out", str(tmp_path / "cmp.json"),
@@ -423,9 +425,9 @@ def test_a_lookup_row_decodes_the_sequential_rows_model_without_training(tmp_pat
     assert lookup["training"] == "none: sequential model"
     assert "| none: sequential model |" in (tmp_path / "cmp.md").read_text()
     assert lookup["fit_seconds"] is None and lookup["trained_parameters"] == 0
-    drafts = lookup["drafts"]  # per decoder call; sequential drafts nothing
-    assert 0 <= drafts["draft_tokens_accepted_per_call"] <= drafts["draft_tokens_offered_per_call"]
-    assert drafts["drafts_cut_at_separator_per_call"] >= 0 and sequential["drafts"] is None
+    counters = lookup["counters_per_call"]  # per decoder call; sequential counts nothing
+    assert 0 <= counters["draft_tokens_accepted"] <= counters["draft_tokens_offered"]
+    assert counters["drafts_cut_at_separator"] >= 0 and sequential["counters_per_call"] == {}
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(lookup["mlflow_run_id"])
     assert run.data.params["train.init_from"] == "sequential.ckpt"  # what it decoded
@@ -513,17 +515,17 @@ def test_a_sweep_plots_quality_and_speedup_against_each_swept_value(tmp_path):
     """`--sweep decoder.delay=1,2 --sweep decoder.max_subsequence_length=4,8`: the delay plot has one
     line per max_subsequence_length, its points in the sweep's order; rows that do not sweep delay
     (sequential) are not on it."""
-    def row(name: str, swept: dict, quality: float, speedups: tuple):
-        cfg = OmegaConf.create({"decoder": {"name": name, **swept}})
-        entry = {"quality": {"present_f1_at_M": quality},
-                 "speedup_bs1": speedups[0], "speedup_batch": speedups[1]}
-        return Row(cfg, None, None, None, swept=list(swept)), entry
+    def entry(name: str, swept: dict, quality: float, speedups: tuple) -> dict:
+        return {"decoder": name, "label": settings_label(name, swept),
+                "options": {"stop_rule": "first_empty", **swept},
+                "quality": {"present_f1_at_M": quality},
+                "speedup_bs1": speedups[0], "speedup_batch": speedups[1]}
 
-    made = [row("sequential", {}, 0.5, (1.0, 1.0))] + [
-        row("pipelined", {"delay": delay, "max_subsequence_length": length}, quality, (delay, 2 * delay))
+    entries = [entry("sequential", {}, 0.5, (1.0, 1.0))] + [
+        entry("pipelined", {"delay": delay, "max_subsequence_length": length}, quality,
+              (delay, 2 * delay))
         for length, quality in ((4, 0.1), (8, 0.2)) for delay in (2, 1)]
-    rows, entries = zip(*made)
-    series = sweep_series(list(rows), list(entries), "delay", "present_f1_at_M")
+    series = sweep_series(entries, "delay", "present_f1_at_M")
     assert series == {
         "pipelined(max_subsequence_length=4)": {"x": [2, 1], "quality": [0.1, 0.1],
                                                 "speedup_bs1": [2, 1], "speedup_batch": [4, 2]},
@@ -549,11 +551,10 @@ def judged_rows(*rows: tuple[str, float, int], baselines: dict[str, float] | Non
                 "examples_per_second_batch": speed, "speedup_bs1": speed / 10,
                 "speedup_batch": speed / 10, "decoder_calls_per_example": 3.0,
                 "reference_calls_per_example": 3.0, "tokens_per_call": 1.0, "bound_hits": hits,
-                "bound_hit_fraction": hits / 10, "peak_memory_mb": 1.0, "trained_parameters": 5,
-                "fit_seconds": 1.0}
+                "peak_memory_mb": 1.0, "trained_parameters": 5, "fit_seconds": 1.0}
     result = {"task": "keyphrase", "data": "builtin", "model": "t5-tiny", "device": "cpu",
               "threads": 1, "flush_denormal": True, "eval_batch_size": 4,
-              "memory": "heap", "rows": [entry(*row) for row in rows]}
+              "memory": "heap", "test_examples": 10, "rows": [entry(*row) for row in rows]}
     if baselines is not None:
         result["baselines"] = [baseline_entry(name, quality) for name, quality in baselines.items()]
     return judge(result)
@@ -657,7 +658,7 @@ def test_a_table_is_written_again_from_its_json(tmp_path):
     assert path.with_suffix(".md").read_text() == markdown(rewritten)
 
 
-def baselines_file(path: Path, task: str = "keyphrase", examples: int = 8, **quality: float) -> str:
+def baselines_file(path: Path, task: str = "keyphrase", examples: int = 10, **quality: float) -> str:
     """What `tasks.experiments.baselines --out` writes, with baselines of `quality`."""
     path.write_text(json.dumps({"task": task, "split": "test", "test_examples": examples,
                                 "baselines": [baseline_entry(name, value)
@@ -784,3 +785,68 @@ def test_a_decoder_named_twice_is_refused_with_the_way_to_compare_its_settings()
     with pytest.raises(ConfigError, match=r"names sequential more than once; .* --sweep decoder.OPTION"):
         parse_decoders("sequential,pipelined,sequential")
     assert parse_decoders(" sequential, pipelined ") == ["sequential", "pipelined"]
+
+
+# ---- the decoders' own counters -------------------------------------------------------------------
+
+def test_a_rows_counters_are_written_per_decoder_call_and_its_time_counters_as_a_share():
+    tested = Evaluation({}, {"decoder_calls_per_example": 2.0, "decode_seconds": 4.0},
+                        {"draft_tokens_offered": 8.0, "widgets": 2.0, "drafter_seconds": 1.0},
+                        examples=2)
+    assert counter_figures(tested) == ({"draft_tokens_offered": 2.0, "widgets": 0.5},
+                                       {"drafter_seconds": 0.25})
+
+
+def test_the_counters_table_shows_whatever_counters_a_row_carries():
+    result = judged_rows(("sequential", 0.5, 0), ("lookup", 0.5, 0), ("other", 0.5, 0))
+    result["rows"][1].update(counters_per_call={"draft_tokens_offered": 2.0,
+                                                "draft_tokens_accepted": 0.5})
+    result["rows"][2].update(counters_per_call={"widgets": 3.0},
+                             decode_time_shares={"gadget_seconds": 0.25})
+    table = markdown(result).split("Decoder counters")[1]
+    assert ("| decoder | tokens/call | draft_tokens_offered/call | draft_tokens_accepted/call | "
+            "accepted share | widgets/call | gadget_seconds share of decode time |") in table
+    assert "| lookup | 1.00 | 2.00 | 0.50 | 0.25 | – | – |" in table
+    assert "| other | 1.00 | – | – | – | 3.00 | 0.25 |" in table
+    assert "| sequential |" not in table  # it counts nothing
+    assert "Decoder counters" not in markdown(judged_rows(("sequential", 0.5, 0)))
+
+
+# ---- the report is a function of the JSON ---------------------------------------------------------
+
+def test_the_plots_are_drawn_from_the_json_alone(tmp_path):
+    result = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0))
+    result["rows"][1]["label"] = "pipelined(delay=2)"
+    result["rows"][1]["options"] = {"delay": 2}
+    stem = tmp_path / "cmp"
+    # a JSON written before the examples' seconds were recorded: no speedup against subsequences
+    assert [p.name for p in report.plots(result, stem)] == ["cmp_quality_vs_speed.png",
+                                                            "cmp_vs_delay.png"]
+    result["target_subsequences"] = [1, 2, 2]
+    for entry, seconds in zip(result["rows"], ([1.0, 2.0, 2.0], [0.5, 1.0, 2.0])):
+        entry["example_seconds_bs1"] = seconds
+    assert [p.name for p in report.plots(result, stem)] == [
+        "cmp_speedup_vs_subsequences.png", "cmp_quality_vs_speed.png", "cmp_vs_delay.png"]
+    assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in tmp_path.glob("*.png"))
+
+
+def stored_comparisons() -> list[Path]:
+    """The comparisons under results/ (a tasks.compare JSON with its table beside it)."""
+    paths = []
+    for path in sorted((REPO / "results").glob("*.json")):
+        stored = json.loads(path.read_text())
+        rows = stored.get("rows") if isinstance(stored, dict) else None
+        if rows and "examples_per_second_bs1" in rows[0] and path.with_suffix(".md").is_file():
+            paths.append(path)
+    return paths
+
+
+def test_the_stored_comparisons_are_found():
+    names = {path.name for path in stored_comparisons()}
+    assert {"builtin_keyphrase.json", "kp20k_drafts.json", "builtin_keyphrase_stop_rule.json"} <= names
+
+
+@pytest.mark.parametrize("path", stored_comparisons(), ids=lambda path: path.name)
+def test_a_stored_comparison_renders_its_stored_table_byte_for_byte(path):
+    assert markdown(judge(json.loads(path.read_text()))).encode() == \
+        path.with_suffix(".md").read_bytes()

@@ -53,8 +53,8 @@ def untrained_comparison(tmp_path, monkeypatch) -> tuple[dict, RecordedDecodes]:
     def tested_untrained(cfg, tags=None, resume=None, callbacks=()):
         built = build(cfg)
         logger = open_tracking(cfg, "untrained", tags=tags)
-        score_into_run(logger, cfg, built, callbacks)
-        return Trained(built, logger, "", built.module.test_scores, fit_seconds=0.0)
+        tested = score_into_run(logger, cfg, built, callbacks)
+        return Trained(built, logger, "", tested, fit_seconds=0.0)
 
     decodes = RecordedDecodes()
     monkeypatch.setattr(compare, "train_and_test", tested_untrained)

@@ -21,8 +21,9 @@ from datamodules.schema import DataError
 from decoders import build_decoder
 from tasks import fit, test as test_entry
 from tasks.config import ConfigError, compose
+from tasks.module import Evaluation
 from tasks.runs.checkpoints import SafeCheckpointIO
-from tasks.runs.trainer import build, make_trainer, train_and_test
+from tasks.runs.trainer import build, evaluate_test, make_trainer, train_and_test
 from tests.conftest import SPECIAL
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
@@ -236,9 +237,9 @@ def test_step_bound_is_reported_in_telemetry_not_silently_cut(tmp_path, caplog):
     with torch.no_grad():  # by construction nothing ends: the end token's logit is 0, below the
         # best of the other, random logits, so every example runs to the step bound
         built.module.backbone.lm_head.weight[built.module.decoder.special.eos] = 0.0
-    make_trainer(cfg, None).test(built.module, datamodule=built.datamodule, verbose=False)
+    tested = evaluate_test(cfg, built, None)
     rows = built.module.prediction_rows("test")
-    assert built.module.test_scores["bound_hits"] == len(rows) == 8
+    assert tested.telemetry["bound_hits"] == tested.examples == len(rows) == 8
     assert all(r["bound_hit"] and r["decoder_calls"] == 2 for r in rows)
     assert "test: 8 of 8 examples reached one of the decoder's length or step bounds" in caplog.text
 
@@ -256,7 +257,8 @@ def test_a_fit_warns_of_bound_hits_once_at_its_end_not_at_every_validation(tmp_p
                                             validations.append(end()))
     make_trainer(cfg, None).fit(built.module, datamodule=built.datamodule)
     assert len(validations) == 3  # three validations, each with every output at the bound
-    assert built.module.bound_hits["val"] == (8, 8)
+    val = built.module.evaluations["val"]
+    assert (val.telemetry["bound_hits"], val.examples) == (8, 8)
     assert caplog.text.count("reached one of the decoder's length or step bounds") == 1
     assert "val: 8 of 8 examples reached" in caplog.text
 
@@ -264,10 +266,9 @@ def test_a_fit_warns_of_bound_hits_once_at_its_end_not_at_every_validation(tmp_p
 def test_a_small_share_of_bound_hits_is_logged_but_not_warned(tmp_path, caplog):
     cfg = compose("keyphrase", "pipelined", None, [*TINY, f"data.tokenizer_cache={tmp_path}/tok"])
     module = build(cfg).module
-    module.bound_hits["test"] = (1, 100)  # 1%: below BOUND_WARNING_SHARE
-    module.warn_bound_hits("test")
-    module.bound_hits["test"] = (5, 100)
-    module.warn_bound_hits("test")
+    for hits in (1, 5):  # 1%: below BOUND_WARNING_SHARE; then 5%
+        module.evaluations["test"] = Evaluation({}, {"bound_hits": float(hits)}, {}, examples=100)
+        module.warn_bound_hits("test")
     assert caplog.text.count("reached one of the decoder's length or step bounds") == 1
     assert "test: 5 of 100 examples" in caplog.text
 

@@ -188,7 +188,7 @@ def test_pretrain_then_fit_from_its_checkpoint(tmp_path):
     assert pretrained.keys() == at_start.weights.keys()
     assert all(torch.equal(pretrained[k], at_start.weights[k]) for k in pretrained)
     assert serialize(fitted.built.datamodule.tokenizer)[0] == checkpoint["tokenizer_json"]
-    assert fitted.scores["present_f1_at_M"] >= 0
+    assert fitted.tested.quality["present_f1_at_M"] >= 0
 
     with pytest.raises(ConfigError, match=r"holds another model: model.d_model: 32 in the "
                                           r"checkpoint, 64 now"):

@@ -39,7 +39,7 @@ from tasks.baselines import scored_baselines
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.plan import parse_checkpoints
-from tasks.comparison.report import not_learned, primary_metric, speedup_cell
+from tasks.comparison.report import bound_share, not_learned, primary_metric, speedup_cell
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
                                      time_decoders, timing_conditions)
 from tasks.config import ConfigError
@@ -50,19 +50,23 @@ GENERATE = "transformers generate"
 
 
 def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
-    """A row's quality (the task's test scores) and share of outputs cut by a bound, from the
+    """A row's quality (the task's test scores) and count of outputs cut by a bound, from the
     outputs of its last timed pass."""
-    hits = [hit for out in timing.outputs for hit in out.bound_hit]
     predictions = subsequence_texts(tokenizer, timing.subsequences())
     return {"quality": task_scores(cfg, tokenizer, predictions, records),
-            "bound_hit_fraction": sum(hits) / len(hits)}
+            "bound_hits": sum(hit for out in timing.outputs for hit in out.bound_hit)}
 
 
-def drafter_share(timing) -> float | None:
-    """The share of the last timed pass a drafter with a model of its own spent drafting (its
-    `drafter_seconds`), the rest being the verifier's; None for a decoder without one."""
-    drafting = [out.stats["drafter_seconds"] for out in timing.outputs if "drafter_seconds" in out.stats]
-    return sum(drafting) / timing.pass_seconds[-1] if drafting else None
+def decode_time_shares(timing) -> dict[str, float]:
+    """Each time counter (`*_seconds`) of the decoder's, summed over the last timed pass, as its
+    share of that pass's seconds (aggressive's `drafter_seconds`: its drafter's share, the rest
+    being the verifier's), as a comparison's JSON holds them."""
+    totals: dict[str, float] = {}
+    for out in timing.outputs:
+        for name, value in out.stats.items():
+            if name.endswith("_seconds"):
+                totals[name] = totals.get(name, 0.0) + value
+    return {name: value / timing.pass_seconds[-1] for name, value in totals.items()}
 
 
 def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch_sizes: list[int],
@@ -94,7 +98,7 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
                          "memory_vs_first": timing.peak_memory_mb / timings[first].peak_memory_mb
                          if timings[first].peak_memory_mb > 0 else None,
                          "decoder_calls_per_example": timing.calls_per_example,
-                         "drafter_time_share": drafter_share(timing),
+                         "decode_time_shares": decode_time_shares(timing),
                          **scored(cfg, datamodule.tokenizer, timing, records)})
     return rows, differing
 
@@ -105,7 +109,8 @@ def judged(rows: list[dict], baselines: list[dict], primary: str) -> list[dict]:
     every row when the first (the speedups' reference) did not, has no speedup."""
     for row in rows:
         widest = max((r for r in rows if r["decoder"] == row["decoder"]), key=lambda r: r["examples"])
-        row["not_learned"] = not_learned(widest, primary, baselines)
+        row["not_learned"] = not_learned(widest["quality"], bound_share(widest, widest["examples"]),
+                                         primary, baselines)
     for batch_size in {row["batch_size"] for row in rows}:
         same = [row for row in rows if row["batch_size"] == batch_size]
         for row in same:
@@ -138,16 +143,15 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
                      f"{speedup_cell(r, 'speedup')} | "
                      f"{r['peak_memory_mb']:.1f} | {memory} | {r['decoder_calls_per_example']:.1f} | "
-                     f"{r['quality'][primary]:.3f} | {r['bound_hit_fraction']:.0%} |")
+                     f"{r['quality'][primary]:.3f} | {bound_share(r, r['examples']):.0%} |")
     baselines = result["baselines"]
     if baselines:
         lines += ["", "Baselines (no model): " + "; ".join(
             f"{b['baseline']} {b['quality'][primary]:.3f}" for b in baselines)]
     lines += [f"Not learned: {r['decoder']} (batch {r['batch_size']}): {r['not_learned']}"
               for r in result["rows"] if r["not_learned"]]
-    lines += [f"{r['decoder']} (batch {r['batch_size']}): its drafter took {r['drafter_time_share']:.0%} of "
-              f"the decode time, the verifier the rest" for r in result["rows"]
-              if r.get("drafter_time_share") is not None]
+    lines += [f"{r['decoder']} (batch {r['batch_size']}): {name} took {share:.0%} of the decode time"
+              for r in result["rows"] for name, share in r.get("decode_time_shares", {}).items()]
     lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 

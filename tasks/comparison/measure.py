@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -138,13 +139,36 @@ def time_row(row: Row, batch: dict) -> float:
     return timed_generate(module.decoder, module.backbone, batch["input_ids"], batch["attention_mask"])[1]
 
 
-def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeats: int,
-                  limit: int | None) -> dict:
-    """Interleaved, warmed-up timing of every row on the `target` device and in its precision, on
-    the same prepared batches.
+@dataclass(frozen=True)
+class Speed:
+    """One row's timing: the seconds of each timing pass over the timed examples at batch size 1
+    and at the eval batch size (pass r of every row ran in the same stretch of time, so ratios of
+    pass r to pass r are speedups measured side by side), each timed example's seconds at batch
+    size 1 (the median over the passes), and the peak memory of one more pass at the eval batch
+    size."""
+    pass_seconds_bs1: list[float]
+    pass_seconds_batch: list[float]
+    example_seconds_bs1: list[float]
+    peak_memory_mb: float
 
-    Returns the conditions of the timing: the device the modules' parameters were on while timed
-    and whether denormals were flushed."""
+    def examples_per_second(self, key: str) -> float:
+        """Timed examples per second of the median pass, `key` "bs1" or "batch"."""
+        return len(self.example_seconds_bs1) / statistics.median(getattr(self, f"pass_seconds_{key}"))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What `measure_speed` measured: each row's `Speed` (in the rows' order), the device the
+    modules' parameters were on while timed, and whether denormals were flushed."""
+    speeds: list[Speed]
+    device: str
+    flush_denormal: bool
+
+
+def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeats: int,
+                  limit: int | None) -> Measurement:
+    """Interleaved, warmed-up timing of every row on the `target` device and in its precision, on
+    the same prepared batches of the first `limit` test examples (all without it)."""
     device = target.device
     datamodule = rows[0].datamodule
     examples = datamodule.dataset("test").examples[:limit]
@@ -160,23 +184,16 @@ def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeat
         timers = {id(row): partial(time_row, row) for row in rows}
         with tqdm(total=2 * repeats, desc="timing decoders (passes)") as bar:
             single_runs = interleaved_passes(timers, singles, repeats, bar.update)
-            batch_runs = {key: [sum(run) for run in runs] for key, runs in
-                          interleaved_passes(timers, batches, repeats, bar.update).items()}
+            batch_runs = interleaved_passes(timers, batches, repeats, bar.update)
+        speeds = []
         for row in rows:
             runs = single_runs[id(row)]
-            row.latencies = [statistics.median(times) for times in zip(*runs)]
-            # seconds of each pass: pass r of every row ran in the same stretch of time, so ratios
-            # of pass r to pass r are the speedups measured side by side (their spread is reported)
-            row.speed["pass_seconds_bs1"] = [sum(r) for r in runs]
-            row.speed["pass_seconds_batch"] = batch_runs[id(row)]
-            for key in ("bs1", "batch"):
-                row.speed[f"examples_per_second_{key}"] = (
-                    len(examples) / statistics.median(row.speed[f"pass_seconds_{key}"]))
             with PeakMemory(device) as memory:
                 for batch in batches:
                     time_row(row, batch)
-            row.speed["peak_memory_mb"] = memory.peak_mb
-    return {"device": timed_on, "flush_denormal": flushed}
+            speeds.append(Speed([sum(run) for run in runs], [sum(run) for run in batch_runs[id(row)]],
+                                [statistics.median(times) for times in zip(*runs)], memory.peak_mb))
+    return Measurement(speeds, timed_on, flushed)
 
 
 def reference_calls(decoder, datamodule, split: str = "test") -> list[int] | None:
@@ -191,6 +208,12 @@ def reference_calls_per_example(row: Row) -> float | None:
     model took, it tells a cheaper decoder from a model that writes less."""
     calls = reference_calls(row.module.decoder, row.datamodule)
     return None if calls is None else statistics.mean(calls)
+
+
+def target_subsequences(datamodule, limit: int | None) -> list[int]:
+    """Per example of the first `limit` test examples (those `measure_speed` times), its reference's
+    number of subsequences."""
+    return [len(example.target_ids) for example in datamodule.dataset("test").examples[:limit]]
 
 
 def trained_parameters(module: GenerationTask) -> int:

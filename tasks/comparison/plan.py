@@ -4,32 +4,31 @@ backbone, or a --ckpt checkpoint checked against its row), and `Row`, what is kn
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
 from decoders import decoder_class
 from tasks.config import ConfigError, compose
-from tasks.module import GenerationTask
+from tasks.module import Evaluation, GenerationTask
 from tasks.runs.checkpoints import config_differences, is_model_key
 from tasks.runs.trainer import decoder_options, needs_trained_backbone
 from tasks.runs.restore import check_decoder
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
+    """A fitted (or loaded) and tested row: its configuration, its model and data, its MLflow run,
+    its test pass, and how it came to be."""
     cfg: DictConfig
     module: GenerationTask
     datamodule: object
     logger: object
-    quality: dict = field(default_factory=dict)     # the task's metrics on the test split
-    telemetry: dict = field(default_factory=dict)   # decoder calls, tokens per call, ...
-    speed: dict = field(default_factory=dict)
-    latencies: list[float] = field(default_factory=list)   # per test example, batch size 1
-    swept: list[str] = field(default_factory=list)         # options this row's sweep set
-    training: str = "own"                                  # `training_label`
-    fit_seconds: float | None = None                       # its training here (None: --ckpt, shared)
-    wall_seconds: float | None = None                      # its training and test in this process
+    tested: Evaluation                # its test pass
+    swept: list[str]                  # options this row's sweep set
+    training: str                     # `training_label`
+    fit_seconds: float | None         # its training here (None: --ckpt, shared, trains nothing)
+    wall_seconds: float               # its training and test in this process
 
     @property
     def options(self) -> dict:
@@ -42,8 +41,18 @@ class Row:
 
 def row_label(cfg: DictConfig, swept: list[str]) -> str:
     """The decoder's name, with the values of the options its sweep set: `nar(iterations=2)`."""
-    settings = ",".join(f"{k}={cfg.decoder[k]}" for k in swept)
-    return f"{cfg.decoder.name}({settings})" if settings else cfg.decoder.name
+    return settings_label(cfg.decoder.name, {key: cfg.decoder[key] for key in swept})
+
+
+def settings_label(name: str, settings: dict) -> str:
+    """A decoder's `name` with decoder `settings` (option -> value), as row labels write them."""
+    written = ",".join(f"{key}={value}" for key, value in settings.items())
+    return f"{name}({written})" if written else name
+
+
+def swept_options(label: str) -> list[str]:
+    """The decoder options a row's label (`row_label`) names, in its order."""
+    return [setting.split("=", 1)[0].removeprefix("decoder.") for setting in row_settings(label)[1]]
 
 
 def row_settings(label: str) -> tuple[str, list[str]]:

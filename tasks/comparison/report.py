@@ -1,6 +1,8 @@
-"""A comparison's results: the JSON (one entry per row, speedups over sequential, and the task's
-trivial baselines, `tasks.baselines`), its markdown table, and the plots (speedup against target
-subsequences, quality against speed, and per swept option quality and speedup against its value).
+"""A comparison's table and plots, rendered from its JSON alone (`tasks.comparison.result` builds
+it: one entry per row, speedups over sequential, and the task's trivial baselines,
+`tasks.baselines`): the markdown table, and the plots (speedup against target subsequences,
+quality against speed, and per swept option quality and speedup against its value). A figure a
+JSON does not record (one written before it was measured) is left out of the table and plots.
 
 A row whose model did not learn its task (`not_learned`: its primary quality is not above the best
 baseline's, or it never learned to end its outputs) is marked so in the table and gets no speedup:
@@ -8,7 +10,7 @@ its outputs are no better than a system's that needs no model, so its speed is n
 Neither does any row when sequential's model did not learn, since a speedup is a ratio to
 sequential's speed.
 
-    python -m tasks.comparison.report FILE.json   # FILE.md and FILE_quality_vs_speed.png again
+    python -m tasks.comparison.report FILE.json   # FILE.md and the plots again
     python -m tasks.comparison.report FILE.json --baselines BASELINES.json
 
 With --baselines, the baseline entries of BASELINES.json (written by `tasks.experiments.baselines
@@ -23,12 +25,8 @@ import json
 import statistics
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from decoders import decoder_class
 from tasks.baselines import described
-from tasks.comparison.measure import reference_calls_per_example, trained_parameters
-from tasks.comparison.plan import Row, row_label
+from tasks.comparison.plan import settings_label, swept_options
 from tasks.config import ConfigError
 from tasks.module import TASK_MODULES
 from tasks.cli import main_guard
@@ -45,11 +43,20 @@ def primary_metric(task: str) -> str:
     return TASK_MODULES[task].primary_metric.split("/", 1)[1]
 
 
-def not_learned(entry: dict, primary: str, baselines: list[dict]) -> str | None:
-    """Why the row's model did not learn its task, or None when it did: its primary quality is not
+def bound_share(entry: dict, examples: int | None) -> float | None:
+    """The share of a row's `examples` outputs that a decoder bound cut (its `bound_hits`); None
+    where the row or its result does not record them."""
+    hits = entry.get("bound_hits")
+    return None if hits is None or not examples else hits / examples
+
+
+def not_learned(quality: dict, bound_cut: float | None, primary: str,
+                baselines: list[dict]) -> str | None:
+    """Why a row's model did not learn its task, or None when it did: its primary `quality` is not
     above the best of the `baselines`' (without baselines, as in a result written without them: is
-    0), or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound."""
-    value = entry["quality"].get(primary)
+    0), or at least NOT_LEARNED_BOUND_SHARE of its test outputs stopped at a length bound
+    (`bound_cut`, the share: `bound_share`)."""
+    value = quality.get(primary)
     if baselines:
         best = max(baselines, key=lambda baseline: baseline["quality"][primary])
         if value <= best["quality"][primary]:
@@ -57,9 +64,8 @@ def not_learned(entry: dict, primary: str, baselines: list[dict]) -> str | None:
                     f"{best['quality'][primary]:.3f}")
     elif value == 0.0:
         return f"{primary} is 0"
-    share = entry["bound_hit_fraction"]
-    if share is not None and share >= NOT_LEARNED_BOUND_SHARE:
-        return f"it never learned to end its outputs: {share:.0%} of them run to the length bound"
+    if bound_cut is not None and bound_cut >= NOT_LEARNED_BOUND_SHARE:
+        return f"it never learned to end its outputs: {bound_cut:.0%} of them run to the length bound"
     return None
 
 
@@ -69,7 +75,9 @@ def judge(result: dict) -> dict:
     primary = result.setdefault("primary_metric", primary_metric(result["task"]))
     rows = result["rows"]
     for entry in rows:
-        entry["not_learned"] = not_learned(entry, primary, result.get("baselines", []))
+        entry["not_learned"] = not_learned(entry["quality"],
+                                           bound_share(entry, result.get("test_examples")), primary,
+                                           result.get("baselines", []))
     reference = next((e for e in rows if e["decoder"] == "sequential"), None)
     for entry in rows:
         if reference is None or entry["not_learned"] or reference["not_learned"]:
@@ -100,82 +108,6 @@ def with_baselines(result: dict, baselines: dict, path: Path) -> dict:
         raise ConfigError(f"--baselines {path} was scored on {baselines['test_examples']} test "
                           f"examples; the comparison's rows on {examples}")
     return {**result, "baselines": baselines["baselines"]}
-
-
-def report(rows: list[Row], cfg: DictConfig, threads: int, timing: dict,
-           baselines: list[dict]) -> dict:
-    """The comparison's JSON: one entry per row, with the conditions of the timing (`timing`, from
-    `measure_speed`) and the task's `baselines` (entries of `tasks.baselines.scored_baselines`),
-    judged (`judge`)."""
-    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
-    out_rows = []
-    for row in rows:
-        calls = row.telemetry.get("decoder_calls_per_example")
-        # test outputs stopped by a decoder bound (every decoder's: data.max_target_length output
-        # tokens, plus pipelined's slot limits) rather than by their own end token
-        hits, examples = int(row.telemetry["bound_hits"]), len(row.module.telemetry.rows)
-        entry = {
-            "decoder": row.cfg.decoder.name, "label": row.label, "options": row.options,
-            "training": row.training,
-            "trained_parameters": trained_parameters(row.module),
-            "fit_seconds": row.fit_seconds,
-            "quality": row.quality,
-            "examples_per_second_bs1": row.speed["examples_per_second_bs1"],
-            "examples_per_second_batch": row.speed["examples_per_second_batch"],
-            "speedup_bs1": None, "speedup_batch": None,
-            "decoder_calls_per_example": calls,
-            "reference_calls_per_example": reference_calls_per_example(row),
-            "tokens_per_call": row.telemetry.get("tokens_per_call"),
-            "bound_hits": hits, "bound_hit_fraction": hits / examples if examples else None,
-            "peak_memory_mb": row.speed["peak_memory_mb"],
-            "inexact": decoder_class(row.cfg.decoder.name).inexact(row.options),
-            "drafts": draft_figures(row.telemetry, calls * examples if calls else 0),
-            "mlflow_run_id": row.logger.run_id,
-        }
-        if reference is not None:
-            for key in ("bs1", "batch"):
-                # pass r of the row against pass r of sequential, timed side by side: the speedup
-                # is their median, and the passes stay to show its spread
-                passes = [base / own for own, base in zip(row.speed[f"pass_seconds_{key}"],
-                                                          reference.speed[f"pass_seconds_{key}"])]
-                entry[f"speedup_{key}"] = statistics.median(passes)
-                entry[f"speedup_{key}_passes"] = passes
-        out_rows.append(entry)
-    device = timing["device"]
-    return judge({"task": cfg.task.name, "data": recorded_data(cfg), "model": cfg.model.name, "device": device,
-                  "threads": threads, "flush_denormal": timing["flush_denormal"],
-                  "eval_batch_size": cfg.eval.batch_size,
-                  "memory": "CUDA max allocated" if device.startswith("cuda")
-                  else "CPU heap-in-use growth during decoding (glibc mallinfo2, sampled)",
-                  "test_examples": len(rows[0].datamodule.records("test")),
-                  "rows": out_rows, "baselines": baselines})
-
-
-# the draft-and-verify decoders' counters (`stats`, summed over the test split) a comparison reports
-# per decoder call: draft tokens offered and accepted, and calls whose draft was cut where the model
-# wrote a separator (the verify loop counts them for every drafter: `decoders.drafts.LOOP_COUNTERS`),
-# rows drafted again (aggressive)
-DRAFT_COUNTERS = ("draft_tokens_offered", "draft_tokens_accepted", "drafts_cut_at_separator", "redrafts")
-
-
-def draft_figures(telemetry: dict, calls: float) -> dict | None:
-    """A row's draft counters per decoder call, and the share of offered draft tokens accepted;
-    None for a decoder that reports none."""
-    if calls == 0 or "draft_tokens_offered" not in telemetry:
-        return None
-    figures = {f"{name}_per_call": telemetry[name] / calls for name in DRAFT_COUNTERS
-               if name in telemetry}
-    offered = telemetry["draft_tokens_offered"]
-    figures["accepted_share"] = telemetry["draft_tokens_accepted"] / offered if offered else None
-    # a drafter with a model of its own (aggressive) times itself: the rest is the verifier's
-    if "drafter_seconds" in telemetry and telemetry.get("decode_seconds"):
-        figures["drafter_time_share"] = telemetry["drafter_seconds"] / telemetry["decode_seconds"]
-    return figures
-
-
-def recorded_data(cfg: DictConfig) -> str:
-    """What a result records as its data: a JSONL folder's path, else the source's name."""
-    return cfg.data.path if cfg.data.source == "jsonl" else cfg.data.source
 
 
 def data_name(data: str) -> str:
@@ -220,29 +152,40 @@ def summary_metrics(result: dict) -> dict[str, float]:
 def markdown(result: dict) -> str:
     """The table: the shown quality (`shown_quality`), speed, work and memory per row, then the
     baselines' quality, with "–" where they have no speed, work or memory."""
-    shown = shown_quality(result["rows"][0]["quality"])
-
     def fmt(value, digits=3):
         return "–" if value is None else f"{value:.{digits}f}"
 
-    head = ["decoder", "training", *shown, "ex/s bs1", "ex/s batch", "speedup bs1", "speedup batch",
-            "calls/ex", "reference calls/ex", "tokens/call", "bound hits", "peak MB", "trained params",
-            "fit s"]
+    examples = result.get("test_examples")
+    # per column: its head, the row key it shows (a column shows where some row has it: a result
+    # written before a figure was recorded has none) and its cell; the quality columns always show
+    columns = [("training", "training", lambda r: r["training"]),
+               *((name, None, lambda r, name=name: fmt(r["quality"][name]))
+                 for name in shown_quality(result["rows"][0]["quality"])),
+               ("ex/s bs1", "examples_per_second_bs1", lambda r: fmt(r["examples_per_second_bs1"], 1)),
+               ("ex/s batch", "examples_per_second_batch",
+                lambda r: fmt(r["examples_per_second_batch"], 1)),
+               ("speedup bs1", "speedup_bs1", lambda r: speedup_cell(r, "speedup_bs1")),
+               ("speedup batch", "speedup_batch", lambda r: speedup_cell(r, "speedup_batch")),
+               ("calls/ex", "decoder_calls_per_example",
+                lambda r: fmt(r["decoder_calls_per_example"], 1)),
+               ("reference calls/ex", "reference_calls_per_example",
+                lambda r: fmt(r["reference_calls_per_example"], 1)),
+               ("tokens/call", "tokens_per_call", lambda r: fmt(r["tokens_per_call"], 2)),
+               ("bound hits", "bound_hits",
+                lambda r: f"{r['bound_hits']} ({fmt(bound_share(r, examples), 3)})"),
+               ("peak MB", "peak_memory_mb", lambda r: fmt(r["peak_memory_mb"], 1)),
+               ("trained params", "trained_parameters", lambda r: f"{r['trained_parameters']:,}"),
+               ("fit s", "fit_seconds", lambda r: fmt(r["fit_seconds"], 0))]
+    columns = [c for c in columns if c[1] is None or any(c[1] in r for r in result["rows"])]
+    head = ["decoder", *(name for name, _, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        cells = [shown_label(r), r["training"], *(fmt(r["quality"][k]) for k in shown),
-                 fmt(r["examples_per_second_bs1"], 1), fmt(r["examples_per_second_batch"], 1),
-                 *(speedup_cell(r, key) for key in SPEEDUPS),
-                 fmt(r["decoder_calls_per_example"], 1), fmt(r["reference_calls_per_example"], 1),
-                 fmt(r["tokens_per_call"], 2),
-                 f"{r['bound_hits']} ({fmt(r['bound_hit_fraction'], 3)})",
-                 fmt(r["peak_memory_mb"], 1), f"{r['trained_parameters']:,}",
-                 fmt(r["fit_seconds"], 0)]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join([shown_label(r), *(cell(r) for _, _, cell in columns)]) + " |")
     baselines = result.get("baselines", [])
-    for b in baselines:
-        cells = [b["label"], "baseline", *(fmt(b["quality"][k]) for k in shown)]
-        lines.append("| " + " | ".join(cells + ["–"] * (len(head) - len(cells))) + " |")
+    for b in baselines:  # quality only
+        cells = [fmt(b["quality"][name]) if key is None else "baseline" if key == "training" else "–"
+                 for name, key, _ in columns]
+        lines.append("| " + " | ".join([b["label"], *cells]) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
     caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, "
                f"{result['device']}, {result['threads']} threads{flushed}, eval batch "
@@ -268,7 +211,7 @@ def markdown(result: dict) -> str:
         notes.append("- inexact: top-k acceptance (top_k > 1) keeps draft tokens the model would not "
                      "have chosen; its output is no longer the model's greedy output")
     table = caption + "\n\n" + "\n".join(lines) + "\n"
-    return table + drafts_table(result) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    return table + counters_table(result) + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def speedup_cell(entry: dict, key: str) -> str:
@@ -281,24 +224,40 @@ def speedup_cell(entry: dict, key: str) -> str:
     return f"{entry[key]:.2f}{spread}"
 
 
-def drafts_table(result: dict) -> str:
-    """The draft counters per decoder call (`draft_figures`) of the rows that report them, or ""."""
-    drafted = [r for r in result["rows"] if r.get("drafts")]
-    if not drafted:
+def counters_table(result: dict) -> str:
+    """The decoders' own counters over the test split, of the rows that have any, or "": each
+    counter per decoder call (`counters_per_call`), a time counter as its share of the decode time
+    (`decode_time_shares`), and the share of the draft tokens offered that the verify loop accepted
+    where both are counted."""
+    counted = [r for r in result["rows"] if r.get("counters_per_call") or r.get("decode_time_shares")]
+    if not counted:
         return ""
-    lines = ["| decoder | tokens/call | draft tokens offered/call | accepted/call | accepted share | "
-             "cut at a separator/call | re-drafts/call | drafter's share of decode time |",
-             "|" + "---|" * 8]
-    for r in drafted:
-        d = r["drafts"]
-        cells = [shown_label(r), r["tokens_per_call"], d["draft_tokens_offered_per_call"],
-                 d["draft_tokens_accepted_per_call"], d["accepted_share"],
-                 d.get("drafts_cut_at_separator_per_call"), d.get("redrafts_per_call"),
-                 d.get("drafter_time_share")]
-        lines.append("| " + " | ".join([cells[0]] + ["–" if v is None else f"{v:.2f}"
-                                                     for v in cells[1:]]) + " |")
-    return ("\nDrafts, per decoder call over the test split (a drafter's share: of that decode's "
-            "time, the rest being the verifier's):\n\n" + "\n".join(lines) + "\n")
+    per_call = list(dict.fromkeys(name for r in counted for name in r.get("counters_per_call", {})))
+    shares = list(dict.fromkeys(name for r in counted for name in r.get("decode_time_shares", {})))
+    # (head, value of a row): the accepted share beside the accepted tokens, where both are counted
+    columns = [("tokens/call", lambda r: r["tokens_per_call"])]
+    for name in per_call:
+        columns.append((f"{name}/call", lambda r, name=name: r["counters_per_call"].get(name)))
+        if name == "draft_tokens_accepted" and "draft_tokens_offered" in per_call:
+            columns.append(("accepted share", lambda r: accepted_share(r["counters_per_call"])))
+    columns += [(f"{name} share of decode time", lambda r, name=name: r["decode_time_shares"].get(name))
+                for name in shares]
+    head = ["decoder", *(name for name, _ in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in counted:
+        r = {"counters_per_call": {}, "decode_time_shares": {}, **r}
+        values = [value(r) for _, value in columns]
+        lines.append("| " + " | ".join([shown_label(r), *("–" if v is None else f"{v:.2f}"
+                                                          for v in values)]) + " |")
+    return ("\nDecoder counters over the test split, per decoder call (a time counter, *_seconds: "
+            "its share of the decode time):\n\n" + "\n".join(lines) + "\n")
+
+
+def accepted_share(counters: dict) -> float | None:
+    """The share of the draft tokens offered that the verify loop accepted; None where a row
+    counts neither or was offered none."""
+    offered, taken = counters.get("draft_tokens_offered"), counters.get("draft_tokens_accepted")
+    return taken / offered if offered and taken is not None else None
 
 
 def pyplot():
@@ -309,24 +268,25 @@ def pyplot():
     return plt
 
 
-def sweep_series(rows: list[Row], entries: list[dict], option: str,
-                 primary: str) -> dict[str, dict[str, list]]:
+def sweep_series(entries: list[dict], option: str, primary: str) -> dict[str, dict[str, list]]:
     """What the plot of a swept decoder option shows: per series (a decoder, with the values of
     its other swept options) the option's values in the plan's order (`x`) and, at each, the
     `primary` quality metric and the speedups over sequential (None without a sequential row).
-    `entries` are `report`'s rows, in the order of `rows`."""
+    `entries` are a result's rows; a row's swept options are those its label names."""
     series: dict[str, dict[str, list]] = {}
-    for row, entry in zip(rows, entries):
-        if option not in row.swept:
+    for entry in entries:
+        swept = swept_options(entry["label"])
+        if option not in swept:
             continue
-        points = series.setdefault(row_label(row.cfg, [k for k in row.swept if k != option]),
+        others = {key: entry["options"][key] for key in swept if key != option}
+        points = series.setdefault(settings_label(entry["decoder"], others),
                                    {"x": [], "quality": [], "speedup_bs1": [], "speedup_batch": []})
-        value = row.cfg.decoder[option]
+        value = entry["options"][option]
         # numbers on a numeric axis; anything else (a flag) as categories
         points["x"].append(value if isinstance(value, (int, float)) and not isinstance(value, bool)
                            else str(value))
         points["quality"].append(entry["quality"][primary])
-        for key in ("speedup_bs1", "speedup_batch"):
+        for key in SPEEDUPS:
             points[key].append(entry[key])
     return series
 
@@ -387,22 +347,26 @@ def plot_quality_vs_speed(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
+def plots(result: dict, stem: Path) -> list[Path]:
+    """A result's plots, written beside `stem` (FILE without its suffix): speedup against the
+    references' subsequences (where the result records each timed example's seconds), quality
+    against speed, and per swept option quality and speedup against its value."""
     plt = pyplot()
     paths = []
-    reference = next((r for r in rows if r.cfg.decoder.name == "sequential"), None)
+    entries = result["rows"]
+    reference = next((e for e in entries if e["decoder"] == "sequential"), None)
     # the rows that have speedups (`judge`): none where sequential learned nothing
-    timed = [row for row, entry in zip(rows, result["rows"])
-             if row is not reference and entry["speedup_bs1"] is not None]
-    if timed:
-        counts = [len(e.target_ids) for e in reference.datamodule.dataset("test").examples]
+    timed = [entry for entry in entries
+             if entry is not reference and entry["speedup_bs1"] is not None]
+    if timed and "target_subsequences" in result:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for row in timed:
+        for entry in timed:
             by_count: dict[int, list[float]] = {}
-            for n, ref_t, t in zip(counts, reference.latencies, row.latencies):
+            for n, ref_t, t in zip(result["target_subsequences"], reference["example_seconds_bs1"],
+                                   entry["example_seconds_bs1"]):
                 by_count.setdefault(n, []).append(ref_t / t)
             xs = sorted(by_count)
-            ax.plot(xs, [statistics.mean(by_count[x]) for x in xs], marker="o", label=row.label)
+            ax.plot(xs, [statistics.mean(by_count[x]) for x in xs], marker="o", label=entry["label"])
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel("target subsequences per example")
         ax.set_ylabel("speedup over sequential (batch size 1)")
@@ -416,18 +380,18 @@ def plots(rows: list[Row], result: dict, stem: Path) -> list[Path]:
     plot_quality_vs_speed(result, paths[-1])
 
     primary = result["primary_metric"]
-    reference_quality = None if reference is None else reference.quality[primary]
-    for option in dict.fromkeys(option for row in rows for option in row.swept):
+    reference_quality = None if reference is None else reference["quality"][primary]
+    for option in dict.fromkeys(option for entry in entries for option in swept_options(entry["label"])):
         paths.append(stem.with_name(f"{stem.name}_vs_{option}.png"))
-        plot_sweep(sweep_series(rows, result["rows"], option, primary), option, primary,
-                   reference_quality, result["eval_batch_size"], paths[-1])
+        plot_sweep(sweep_series(entries, option, primary), option, primary, reference_quality,
+                   result["eval_batch_size"], paths[-1])
     return paths
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="write a comparison's FILE.md and its quality "
-                                                 "against speed plot again from its FILE.json (with "
-                                                 "its rows judged as learned or not)")
+    parser = argparse.ArgumentParser(description="write a comparison's FILE.md and its plots "
+                                                 "again from its FILE.json (with its rows judged as "
+                                                 "learned or not)")
     parser.add_argument("result", help="FILE.json written by tasks.compare")
     parser.add_argument("--baselines", metavar="BASELINES.json",
                         help="judge against these baselines (written by tasks.experiments.baselines "
@@ -441,9 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     result = judge(result)
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown(result))
-    plot = path.with_name(path.stem + "_quality_vs_speed.png")
-    plot_quality_vs_speed(result, plot)
-    print(f"wrote {path}, {path.with_suffix('.md')} and {plot}")
+    written = plots(result, path.with_suffix(""))
+    print(f"wrote {path}, {path.with_suffix('.md')}, {', '.join(map(str, written))}")
 
 
 if __name__ == "__main__":

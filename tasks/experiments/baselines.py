@@ -30,7 +30,8 @@ from omegaconf import DictConfig
 from datamodules.datamodule import SubsequenceDataModule
 from datamodules.schema import target_texts
 from tasks.baselines import described, scored_baselines
-from tasks.comparison.report import data_name, primary_metric, recorded_data, shown_quality
+from tasks.comparison.report import data_name, primary_metric, shown_quality
+from tasks.comparison.result import recorded_data
 from tasks.config import compose, to_yaml
 from tasks.cli import base_parser, log, main_guard, show_report
 from tasks.runs.tracking import (ExceptionWatcher, check_tracking, log_artifacts, log_params,

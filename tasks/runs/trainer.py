@@ -25,7 +25,7 @@ from datamodules.tokenizer import special_tokens
 from decoders import build_decoder, decoder_class
 from tasks.config import ConfigError
 from tasks.models import build_backbone
-from tasks.module import TASK_MODULES, GenerationTask
+from tasks.module import TASK_MODULES, Evaluation, GenerationTask
 from tasks.runs.checkpoints import (BestCheckpoint, Resume, SafeCheckpointIO, StoredModel,
                                     initial_weights)
 from tasks.runs.tracking import (ExceptionWatcher, default_run_name, log_artifacts, log_params,
@@ -173,16 +173,25 @@ def decode_target(cfg: DictConfig) -> DecodeTarget:
     return DecodeTarget(trainer.strategy.root_device, trainer.precision_plugin)
 
 
-def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built, callbacks=()) -> None:
+def evaluate_test(cfg: DictConfig, built: Built, logger: MLFlowLogger | None, callbacks=(),
+              ckpt_path: str | None = None) -> Evaluation:
+    """The test split decoded and scored by a trainer of `cfg` (logging to `logger`'s run where
+    given; with the weights of `ckpt_path` where given): its `Evaluation`."""
+    make_trainer(cfg, logger, callbacks=callbacks).test(built.module, datamodule=built.datamodule,
+                                                        ckpt_path=ckpt_path, verbose=False)
+    return built.module.evaluations["test"]
+
+
+def score_into_run(logger: MLFlowLogger, cfg: DictConfig, built: Built, callbacks=()) -> Evaluation:
     """Decode and score the test split with an already-trained module; params, the test split as
     dataset input, metrics, config and predictions go to `logger`'s run. `callbacks` join the
     trainer's."""
     watcher = ExceptionWatcher()  # the trainer's: Ctrl-C while testing marks the run KILLED
     with run_status(logger, watcher):  # the run exists from the first log on
         log_params(logger, cfg, built.datamodule, ("test",))
-        make_trainer(cfg, logger, callbacks=[watcher, *callbacks]).test(
-            built.module, datamodule=built.datamodule, verbose=False)
+        tested = evaluate_test(cfg, built, logger, [watcher, *callbacks])
         log_artifacts(logger, cfg, built.module.prediction_rows("test"))
+    return tested
 
 
 @dataclass
@@ -190,7 +199,7 @@ class Trained:
     built: Built
     logger: MLFlowLogger
     checkpoint: str
-    scores: dict[str, float]
+    tested: Evaluation   # the test pass of the tested checkpoint
     fit_seconds: float   # this process's trainer.fit, validation included (a resume: the rest only)
 
 
@@ -275,7 +284,8 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
         # validation never ran.
         best = best_checkpoint.best_model_path or last_checkpoint.best_model_path
         trainer.test(built.module, datamodule=built.datamodule, ckpt_path=best or None, verbose=False)
+        tested = built.module.evaluations["test"]
         if rank_zero_only.rank == 0:
             logger.experiment.set_tag(run_id, "tested_checkpoint", best)
         log_artifacts(logger, cfg, built.module.prediction_rows("test"))
-    return Trained(built, logger, best, built.module.test_scores, fit_seconds)
+    return Trained(built, logger, best, tested, fit_seconds)
