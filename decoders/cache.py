@@ -1,8 +1,8 @@
 """The decoder's key/value cache, written where each call says.
 
 Every decoding loop passes the model step the slots its fed tokens' keys and values go to
-(`Slots`), as gpt-fast's `KVCache.update(input_pos, k, v)` takes its positions: the cache keeps no
-state of a call. The encoder's keys and values are computed at a decode's first call and kept.
+(`Slots`), as gpt-fast's cache update takes the input positions: the cache keeps no state of a
+call. The encoder's keys and values are computed at a decode's first call and kept.
 """
 from __future__ import annotations
 
