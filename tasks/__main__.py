@@ -11,7 +11,7 @@ from pathlib import Path
 
 TASKS = Path(__file__).resolve().parent
 # The commands that train and evaluate, in the order they are used; each one listed where it exists.
-TRAIN_AND_EVALUATE = ("fit", "test", "compare", "predict")
+TRAIN_AND_EVALUATE = ("fit", "test", "compare", "predict", "export")
 
 
 def summary(path: Path) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import AutoConfig, T5Config, T5ForConditionalGeneration
 
 from datamodules.tokenizer import pretrained_files
 from decoders.transformers_internals import (bias_owner, relative_position_buckets,
@@ -16,8 +16,28 @@ from decoders.transformers_internals import (bias_owner, relative_position_bucke
 POSITION_HEAD_BIAS = 8.0
 
 
+# The model types of a pretrained folder or hub id the decoders run: those whose weights load
+# whole into T5ForConditionalGeneration, whose layers `decoders.backbone.run_decoder` runs.
+RUNNING_MODEL_TYPES = ("t5", "mt5")
+
+
 class ModelError(RuntimeError):
     """A backbone could not be built or loaded; the message says what to do instead."""
+
+
+def check_pretrained_model_type(model: DictConfig) -> None:
+    """Refuse (ModelError), before any data is read or any weight loaded, a pretrained model
+    (`model.hub_id`) of a type the decoders do not run: it would load as a T5 whose weights are all
+    new, and decode noise. Only its configuration is read."""
+    if model.name == "t5-tiny":
+        return
+    with pretrained_files(model.hub_id, "the configuration of", ModelError) as name:
+        config = AutoConfig.from_pretrained(name)
+    if config.model_type not in RUNNING_MODEL_TYPES:
+        built_as = ", ".join(config.architectures or []) or "no architecture named"
+        raise ModelError(f"model.hub_id={model.hub_id!r} is a {config.model_type!r} model "
+                         f"({built_as}); the decoders run these model types: "
+                         f"{', '.join(RUNNING_MODEL_TYPES)} (T5ForConditionalGeneration's weights)")
 
 
 def build_backbone(model: DictConfig, tokenizer,
@@ -44,9 +64,16 @@ def build_backbone(model: DictConfig, tokenizer,
         set_attention_implementation(config, model.attn_implementation)
         backbone = T5ForConditionalGeneration(config)
     else:
+        check_pretrained_model_type(model)
         with pretrained_files(model.hub_id, "pretrained weights", ModelError) as name:
-            backbone = T5ForConditionalGeneration.from_pretrained(
-                name, attn_implementation=model.attn_implementation, dropout_rate=model.dropout)
+            backbone, loading = T5ForConditionalGeneration.from_pretrained(
+                name, attn_implementation=model.attn_implementation, dropout_rate=model.dropout,
+                output_loading_info=True)
+        new = sorted(loading["missing_keys"]) + sorted(loading["mismatched_keys"])
+        if new:   # a weight not in the folder would decode from its random start
+            raise ModelError(f"the weights of {model.hub_id!r} do not load whole into a T5: {len(new)} "
+                             f"missing or of another shape ({', '.join(map(str, new[:4]))}"
+                             f"{', ...' if len(new) > 4 else ''})")
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone

@@ -33,6 +33,7 @@ from decoders import available, build_decoder, decoder_class
 from decoders.sequential import SequentialDecoder
 from tasks.cli import log
 from tasks.config import ConfigError, compose
+from tasks.models import check_pretrained_model_type
 from tasks.module import GenerationTask
 from tasks.runs.checkpoints import load_checkpoint
 from tasks.runs.restore import checkpoint_config, restore_module
@@ -137,7 +138,8 @@ class Predictor:
             raise ConfigError(f"decoder {cfg.decoder.name!r} cannot decode a T5 trained elsewhere "
                               f"(it needs weights or a drafter of its own); decoders that need no "
                               f"training: {', '.join(allowed)}")
-        tokenizer = load_pretrained(model)   # here: a bad folder or an unreachable hub id fails now
+        check_pretrained_model_type(cfg.model)   # here: a model the decoders do not run is refused,
+        tokenizer = load_pretrained(model)       # and a bad folder or an unreachable hub id fails
         return cls(cfg, lambda: build_module(cfg, tokenizer))
 
     @property

@@ -54,8 +54,8 @@ def test_the_groups_are_listed_in_order(listing, groups):
 
 def test_every_command_is_listed_under_its_group_with_what_it_does(groups):
     expected = {
-        "train and evaluate": ["python -m tasks.fit", "python -m tasks.test", "python -m tasks.compare"]
-        + (["python -m tasks.predict"] if (ROOT / "tasks" / "predict.py").is_file() else []),
+        "train and evaluate": ["python -m tasks.fit", "python -m tasks.test", "python -m tasks.compare",
+                               "python -m tasks.predict", "python -m tasks.export"],
         "experiments": modules("experiments"),
         "benchmarks": modules("bench") + ["tasks/bench/run_benchmarks.sh",
                                           "tasks/bench/run_gpu_benchmarks.sh"],

@@ -11,14 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
+import safetensors.torch
+from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, MT5Config,
+                          MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration)
 
 import datamodules.hub
 from datamodules import tokenizer as tok
+from decoders import build_decoder
+from decoders.loop import split_flat_output
 from decoders.transformers_internals import attention_implementation
 from tasks import compare, fit, test as test_entry
 from tasks.config import compose
 from tasks.models import ModelError, build_backbone
+from tasks.predictor import Predictor
+from tasks.runs import trainer
+from tests.conftest import default_dtype
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 from tests.test_faults import quality_and_counts
 
@@ -126,6 +133,82 @@ def test_a_missing_or_incomplete_model_folder_is_named(tmp_path, no_hub):
     with pytest.raises(ModelError, match=r"cannot load pretrained weights '.*t5-small-tokenizer' "
                                          r"\(model.hub_id, a local folder.*no file named model"):
         build_backbone(model, tok.load_pretrained(model.hub_id))
+
+
+def tiny_bart_folder(folder: Path) -> Path:
+    """A folder as BART's `save_pretrained` leaves it (configuration and random weights)."""
+    config = BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                        decoder_ffn_dim=32, max_position_embeddings=64)
+    BartForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_model_of_a_type_the_decoders_do_not_run_is_refused_before_any_work(tmp_path, no_hub,
+                                                                              monkeypatch):
+    """A BART folder would load as a T5 whose every weight is new: it is refused, naming its model
+    type and the types that run, before a tokenizer, data or weights are read."""
+    folder = tiny_bart_folder(tmp_path / "bart")
+    monkeypatch.setattr(tok, "load_pretrained", lambda *_: pytest.fail("the tokenizer was read"))
+    expected = r"model.hub_id='.*bart' is a 'bart' model \(BartForConditionalGeneration\); the " \
+               r"decoders run these model types: t5, mt5"
+    with pytest.raises(ModelError, match=expected):
+        Predictor.from_pretrained(str(folder), task="summarization")
+    monkeypatch.setattr(trainer, "build", lambda *_, **__: pytest.fail("data was read"))
+    with pytest.raises(ModelError, match=expected):
+        fit.main(["--task", "summarization", "--decoder", "sequential", "model=t5-small",
+                  f"model.hub_id={folder}", *tracking(tmp_path)])
+    model = compose(overrides=["model=t5-small", f"model.hub_id={folder}"]).model
+    with pytest.raises(ModelError, match=expected):
+        build_backbone(model, None)
+
+
+@needs_t5_files
+def test_weights_that_do_not_load_whole_are_refused(tmp_path, no_hub):
+    """A T5 folder missing one weight would decode from that weight's random start: refused,
+    naming what is missing."""
+    folder = local_t5_small(tmp_path / "t5", vocab_size=32100)
+    weights_file = folder / "model.safetensors"
+    tensors = safetensors.torch.load_file(weights_file)
+    dropped = "decoder.block.0.layer.2.DenseReluDense.wo.weight"
+    del tensors[dropped]
+    safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
+    model = compose(overrides=["model=t5-small", f"model.hub_id={folder}"]).model
+    with pytest.raises(ModelError, match=rf"do not load whole into a T5: 1 missing .*\({dropped}\)"):
+        build_backbone(model, tok.load_pretrained(model.hub_id))
+
+
+@needs_t5_files
+@pytest.mark.float64
+def test_an_mt5_folder_decodes_as_its_own_generate(tmp_path, no_hub):
+    """mT5 is T5's layout with gated feed-forward layers and untied output weights: its folder
+    loads whole, and the sequential decoder gives MT5's own greedy tokens."""
+    folder = tmp_path / "mt5"
+    folder.mkdir()
+    for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(T5_FILES / name, folder)
+    config = MT5Config(vocab_size=32100, d_model=32, d_ff=64, d_kv=8, num_heads=2, num_layers=1,
+                       num_decoder_layers=1, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+                       initializer_factor=4.0)
+    torch.manual_seed(0)
+    with default_dtype(torch.float64):
+        MT5ForConditionalGeneration(config).save_pretrained(folder)
+        model = compose(overrides=["model=t5-small", f"model.hub_id={folder}", "model.dropout=0.0",
+                                   "model.attn_implementation=eager"]).model
+        tokenizer = tok.load_pretrained(model.hub_id)
+        backbone = build_backbone(model, tokenizer).eval()
+        reference = MT5ForConditionalGeneration.from_pretrained(folder).eval()
+        input_ids = torch.randint(5, 32000, (4, 9), generator=torch.Generator().manual_seed(1))
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1:, 6:] = 0
+        special = tok.special_tokens(tokenizer)
+        out = build_decoder("sequential", backbone.config, special, max_new_tokens=12).generate(
+            backbone, input_ids, attention_mask)
+        greedy = reference.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                    do_sample=False, num_beams=1, max_new_tokens=12)[:, 1:].tolist()
+    expected = [row[: row.index(special.eos) + 1] if special.eos in row else row for row in greedy]
+    assert out.tokens == [len(row) for row in expected]
+    assert out.subsequences == [split_flat_output(row, special)[0] for row in expected]
 
 
 @pytest.mark.slow

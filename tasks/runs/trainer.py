@@ -24,7 +24,7 @@ from datamodules.sources import SPLITS
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder, decoder_class
 from tasks.config import ConfigError
-from tasks.models import build_backbone
+from tasks.models import build_backbone, check_pretrained_model_type
 from tasks.module import TASK_MODULES, Evaluation, GenerationTask
 from tasks.runs.checkpoints import (BestCheckpoint, Resume, SafeCheckpointIO, StoredModel,
                                     initial_weights)
@@ -249,6 +249,8 @@ def train_and_test(cfg: DictConfig, tags: dict | None = None, resume: Resume | N
         # it would train on a random frozen backbone: a result with no meaning, hours later
         raise ConfigError(f"{needs} trains only on a trained sequential model's backbone: set "
                           f"train.init_from=<a sequential tasks.fit checkpoint>")
+    if resume is None and cfg.train.init_from is None:
+        check_pretrained_model_type(cfg.model)
     check_trainer(cfg)
     initial = None if resume else initial_weights(cfg)
     logger = open_tracking(cfg, default_run_name(cfg), tags=tags,
