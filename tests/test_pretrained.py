@@ -261,6 +261,7 @@ def test_pretrained_from_a_local_folder_end_to_end_then_without_it(tmp_path, no_
     assert result["model"] == "t5-small" and len(result["rows"]) == 1
 
     runs = len(client.search_runs([run.info.experiment_id]))
-    with pytest.raises(tok.TokenizerError, match=r"model.hub_id='.*/t5-small' is not a folder"):
+    # its model type is read first, from the folder's configuration
+    with pytest.raises(ModelError, match=r"model.hub_id='.*/t5-small' is not a folder"):
         fit.main(args)
     assert len(client.search_runs([run.info.experiment_id])) == runs
