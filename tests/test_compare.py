@@ -213,15 +213,18 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
 
     peer_out = tmp_path / "peers.json"
     compared = peers.main(["--ckpt", paths["sequential"], "--batch-size", "4", "--repeats", "1",
-                           "--prompt-lookup", "2,5", "--out", str(peer_out)])
+                           "--prompt-lookup", "2,5", "--ctranslate2", "--out", str(peer_out)])
     assert "not GPU figures" in compared["note"]
     single = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 1]
     batched = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 4]
+    engine = [peers.ctranslate2_name("float32"), peers.ctranslate2_name("int8")]
     assert single == [peers.GREEDY, peers.prompt_lookup_name(2), peers.prompt_lookup_name(5),
-                      "sequential", "lookup"]
-    assert batched == [peers.GREEDY, "sequential", "lookup"]   # transformers refuses prompt lookup
-    # greedy generate, its prompt lookup and this library's exact decoders agree on fp32 CPU
-    assert all(r["identical_to_greedy"] for r in compared["rows"])
+                      "sequential", "lookup", *engine]
+    assert batched == [peers.GREEDY, "sequential", "lookup", *engine]   # no prompt lookup batched
+    # greedy generate, its prompt lookup and this library's exact decoders agree on fp32 CPU; the
+    # engine's kernels round otherwise (int8 weights most), so its rows report what they give
+    assert all(r["identical_to_greedy"] for r in compared["rows"] if r["decoder"] not in engine)
+    assert all(isinstance(r["identical_to_greedy"], bool) for r in compared["rows"])
     assert all(r["speed_vs_greedy"] > 0 and r["decoder_calls_per_example"] >= 1
                for r in compared["rows"])
     assert all(len(r["speed_vs_greedy_passes"]) == 1 for r in compared["rows"])  # one per pass

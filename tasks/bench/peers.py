@@ -1,8 +1,8 @@
 """This library's exact decoders beside transformers' own fast paths, on the same trained model.
 
     python -m tasks.bench.peers --ckpt SEQUENTIAL.ckpt [--blockwise BLOCKWISE.ckpt] \\
-        [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] [--repeats 3] \\
-        [--examples N] [--single-examples N] [--threads 1] [--out FILE.json]
+        [--ctranslate2] [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] \\
+        [--repeats 3] [--examples N] [--single-examples N] [--threads 1] [--out FILE.json]
 
 On the checkpoint's test inputs, timed side by side (interleaved, median of `--repeats` passes
 after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
@@ -11,7 +11,10 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
   lookup, which on an encoder-decoder model matches n-grams of the decoder's own tokens only, and
   which transformers refuses at batch size above 1;
 - this library's sequential and lookup decoders on the same weights, and its blockwise decoder
-  on the `--blockwise` checkpoint (heads trained on that sequential model) when given.
+  on the `--blockwise` checkpoint (heads trained on that sequential model) when given;
+- with `--ctranslate2`, the inference engine CTranslate2's greedy decoding of the same weights
+  (exported as `tasks.export` exports them, then converted), float32 and int8
+  (`pip install -e ".[bench]"`).
 At batch size 1 every row runs; at `--batch-size` every row that can. Per row: whether its tokens
 equal greedy `generate`'s on every example, the model's decoder passes per example, its speed
 over greedy `generate`'s and its peak memory (on CUDA `max_memory_allocated`, on a CPU the growth
@@ -20,6 +23,8 @@ of the C heap). Without CUDA the figures are CPU figures and the output says so.
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -27,16 +32,33 @@ import torch
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals
 from tasks.comparison.report import speedup_cell
-from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
+from tasks.comparison.timing import (CTRANSLATE2_TYPES, PRECISIONS, CTranslate2Greedy,
+                                     TransformersGenerate, conditions_caption, ctranslate2_package,
                                      time_decoders, timing_conditions)
 from tasks.config import ConfigError
 from tasks.cli import command_line, log, main_guard, show_report
+from tasks.runs.restore import save_pretrained_folder
 
 GREEDY = "transformers greedy"
 
 
 def prompt_lookup_name(tokens: int) -> str:
     return f"transformers prompt lookup {tokens}"
+
+
+def ctranslate2_name(quantization: str) -> str:
+    return f"CTranslate2 greedy {quantization}"
+
+
+def ctranslate2_rows(checkpoint: str, sequential, device, threads: int, folder: Path) -> dict:
+    """CTranslate2's rows: the checkpoint exported to `folder`, then converted once per
+    quantization (`CTranslate2Greedy`)."""
+    exported = str(save_pretrained_folder(checkpoint, str(folder / "exported")))
+    decoder = sequential.decoder
+    return {ctranslate2_name(quantization): SimpleNamespace(
+        decoder=CTranslate2Greedy(exported, sequential.tokenizer, decoder.special,
+                                  decoder.max_new_tokens, quantization, device, threads),
+        backbone=sequential.backbone) for quantization in CTRANSLATE2_TYPES}
 
 
 def positive_integers(flag: str, text: str) -> list[int]:
@@ -90,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="a sequential checkpoint written by tasks.fit")
     parser.add_argument("--blockwise", default=None, help="a blockwise checkpoint (heads on it)")
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="add CTranslate2's greedy rows, float32 and int8 (needs ctranslate2)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompt-lookup", default="4,10",
                         help="prompt_lookup_num_tokens settings of transformers' rows")
@@ -109,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                         ("--threads", args.threads)):
         if value < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
+    if args.ctranslate2:
+        ctranslate2_package()   # installed: before any model is read
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     conditions = timing_conditions(device, args.threads)
     if conditions["note"]:
@@ -122,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
                "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
     if args.blockwise is not None:
         batched["blockwise"] = restored("blockwise", args.blockwise)[1].module.to(device).eval()
+    exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
+    if args.ctranslate2:
+        batched.update(ctranslate2_rows(args.ckpt, sequential, device, args.threads,
+                                        Path(exported.name)))
     single = {GREEDY: batched[GREEDY],
               **{prompt_lookup_name(k): SimpleNamespace(
                   decoder=TransformersGenerate(bound, special, prompt_lookup_num_tokens=k),

@@ -1,7 +1,7 @@
 """Decode-only timing of trained models, shared by the benchmarks that time checkpoints
 (`tasks.bench.gpu_benchmark`, `peers`, `pipelined_versions`): one decode timed on the GPU's own clock or the
-host's, transformers' `generate` wrapped as a decoder, and the interleaved passes over the same
-prepared batches that every row is timed on.
+host's, transformers' `generate` and CTranslate2's greedy decoding wrapped as decoders, and the
+interleaved passes over the same prepared batches that every row is timed on.
 
 On a CUDA device a decode is timed with CUDA events (no host sync inside the timed region other
 than the decoder's own) and its memory by `max_memory_allocated`; elsewhere with the host clock and
@@ -11,6 +11,7 @@ bf16 autocast.
 from __future__ import annotations
 
 import statistics
+import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +22,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output
 from tasks.comparison.measure import PeakMemory, interleaved_passes
+from tasks.config import ConfigError
 
 PRECISIONS = ("fp32", "bf16")
 CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flushed); these are "
@@ -87,6 +89,51 @@ class TransformersGenerate:
         rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
                 for row in out[:, 1:].tolist()]   # what follows an end token is padding
         return flat_decode_output(rows, self.special, [len(calls)] * len(rows), len(calls))
+
+
+# What CTranslate2 quantizes a converted model's weights to, for its rows (`CTranslate2Greedy`).
+CTRANSLATE2_TYPES = ("float32", "int8")
+
+
+def ctranslate2_package():
+    """The `ctranslate2` module; a ConfigError saying how to install it where it is missing."""
+    try:
+        import ctranslate2
+    except ImportError as err:
+        raise ConfigError("CTranslate2's rows need the ctranslate2 package: "
+                          "pip install -e \".[bench]\"") from err
+    return ctranslate2
+
+
+class CTranslate2Greedy:
+    """CTranslate2's greedy decoding of a `save_pretrained` folder (`tasks.export`'s), as a decoder:
+    an inference engine's C++ decoding loop, beside which this library's rows are timed. The
+    folder is converted once (`quantization`: float32, or int8 weights); `generate` ignores its
+    model argument, since the engine holds its own copy of the weights. Needs the `ctranslate2`
+    package (`pip install -e ".[bench]"`)."""
+
+    def __init__(self, folder: str, tokenizer, special: SpecialTokens, max_new_tokens: int,
+                 quantization: str, device: torch.device, threads: int):
+        ctranslate2 = ctranslate2_package()
+        self.converted = tempfile.TemporaryDirectory(prefix="ctranslate2-")   # removed with this
+        ctranslate2.converters.TransformersConverter(folder).convert(
+            self.converted.name, quantization=quantization, force=True)
+        self.translator = ctranslate2.Translator(
+            self.converted.name, device=device.type,
+            device_index=device.index or 0, intra_threads=threads if device.type == "cpu" else 0)
+        self.tokenizer, self.special, self.max_new_tokens = tokenizer, special, max_new_tokens
+
+    def generate(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DecodeOutput:
+        ids, lengths = input_ids.tolist(), attention_mask.sum(1).tolist()
+        sources = [self.tokenizer.convert_ids_to_tokens(row[:n]) for row, n in zip(ids, lengths)]
+        # greedy as `generate` is: the end token may come first (the engine's default minimum
+        # length is 1), and no source is cut
+        results = self.translator.translate_batch(
+            sources, beam_size=1, max_decoding_length=self.max_new_tokens, min_decoding_length=0,
+            max_input_length=max(lengths), return_end_token=True)
+        rows = [self.tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]
+        calls = [len(row) for row in rows]   # one decoder step per token
+        return flat_decode_output(rows, self.special, calls, max(calls))
 
 
 @dataclass

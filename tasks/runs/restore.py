@@ -2,9 +2,17 @@
 the decoder asked for (`checkpoint_config`), then its data, model and decoder with its weights
 (`restore`), or the model and decoder alone from the checkpoint's stored tokenizer
 (`restore_module`), and the nar drafter of a decoder that drafts with one (`attach_drafter`).
-Every command that decodes a checkpoint restores it through here."""
+Every command that decodes a checkpoint restores it through here, and a checkpoint of the
+sequential layout leaves through here as a `save_pretrained` folder (`save_pretrained_folder`)."""
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import GenerationConfig
+
+from datamodules.tokenizer import special_tokens
 from decoders import available, decoder_class
 from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
@@ -140,3 +148,55 @@ def load_weights(module: GenerationTask, checkpoint: dict, path: str) -> None:
                           f"that sizes a module changed?): {str(err).splitlines()[-1].strip()}") from err
     if missing:
         raise ConfigError(f"checkpoint {path} lacks weights the model needs: {missing[:5]}")
+
+
+# The decoder whose output the exported folder's `generate` reproduces, and whose layout a
+# checkpoint must have been trained on.
+EXPORTED_LAYOUT = "sequential"
+
+
+def check_exportable(checkpoint: dict, path: str) -> None:
+    """Refuse (ConfigError) a checkpoint whose model transformers' `generate` cannot decode."""
+    trained = checkpoint.get("decoder_name", checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"])
+    if not decoder_class(EXPORTED_LAYOUT).can_decode_checkpoint_of(decoder_class(trained)):
+        raise ConfigError(f"checkpoint {path} was trained with decoder {trained!r}, whose model "
+                          f"transformers' generate cannot decode (it writes its output in another "
+                          f"layout than one token after another); only a checkpoint of the "
+                          f"sequential layout exports: sequential, blockwise")
+
+
+def usable_out(out: Path) -> None:
+    """Refuse (ConfigError) an `--out` folder that holds anything."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty folder; give a new one")
+
+
+def save_pretrained_folder(path: str, out: str) -> Path:
+    """Write checkpoint `path`'s backbone and tokenizer to the folder `out`, as `save_pretrained`
+    writes them, for a checkpoint of the sequential layout (`check_exportable`): transformers'
+    greedy `generate` on it, given only the inputs, writes the sequential decoder's tokens (its
+    generation configuration names the start, end and pad tokens and the output bound). `out` must
+    be new or empty; it is written under a temporary name, then renamed (`tasks.export`)."""
+    target = Path(out)
+    usable_out(target)
+    checkpoint = load_checkpoint(path)
+    check_exportable(checkpoint, path)
+    cfg = checkpoint_config(checkpoint, path, [f"decoder={EXPORTED_LAYOUT}"])
+    module = restore_module(checkpoint, path, cfg)
+    special = special_tokens(module.tokenizer)
+    backbone = module.backbone
+    backbone.generation_config = GenerationConfig(
+        decoder_start_token_id=special.start, eos_token_id=special.eos, pad_token_id=special.pad,
+        max_new_tokens=int(cfg.decoder.max_new_tokens), do_sample=False, num_beams=1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        backbone.save_pretrained(staging)
+        module.tokenizer.save_pretrained(staging)
+        if target.exists():
+            target.rmdir()   # empty (`usable_out`)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
