@@ -17,6 +17,12 @@ from decoders.cache import DecoderCache
 NOT_PRODUCED = -1
 
 
+def through_end(tokens: list[int], eos: int) -> list[int]:
+    """A row's tokens up to its first end token, included (all of them where it has none): what
+    a decoding that computes past a row's end produced for it."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
 def split_flat_output(tokens: list[int], special: SpecialTokens) -> tuple[list[list[int]], bool]:
     """A flat-layout output (s_1 <sep> s_2 ... </s>) -> (its subsequences up to the first end token,
     whether it had one). Without an end token the output was cut by a bound."""

@@ -38,7 +38,7 @@ from datamodules.vocabulary import SpecialTokens
 from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
                                past_distance_bias_table, run_decoder, with_frozen_weights)
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.loop import read_back, flat_decode_output
+from decoders.loop import flat_decode_output, read_back, through_end
 from decoders.sequential import SequentialDecoder
 
 
@@ -155,6 +155,5 @@ class OneStepDecoder(Decoder):
                                  self.model_step()).argmax(-1)                   # (B, W)
         rows, = read_back(tokens)                                                # the one sync point
         # tokens produced: up to and including the end token (what follows it is discarded)
-        produced = [row[: row.index(self.special.eos) + 1] if self.special.eos in row else row
-                    for row in rows]
+        produced = [through_end(row, self.special.eos) for row in rows]
         return flat_decode_output(produced, self.special, [1] * batch_size, 1)

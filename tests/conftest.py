@@ -28,6 +28,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from decoders import SpecialTokens, build_decoder
 from decoders.drafts import DraftCounters
+from decoders.loop import through_end
 from decoders.transformers_internals import set_attention_implementation
 
 VOCAB = 64
@@ -167,7 +168,7 @@ def greedy_outputs(model, input_ids, attention_mask, bound: int) -> list[list[in
     `generate`, the reference the sequential decoder equals."""
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                          num_beams=1, max_new_tokens=bound)[:, 1:].tolist()
-    return [row[: row.index(SPECIAL.eos) + 1] if SPECIAL.eos in row else row for row in out]
+    return [through_end(row, SPECIAL.eos) for row in out]
 
 
 def assert_drafts_counted(out, draft_width: int, first_call_drafts: bool = False):

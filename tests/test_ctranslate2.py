@@ -14,6 +14,7 @@ import torch
 
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
+from decoders.loop import through_end
 from tasks.bench import peers
 from tasks.comparison.timing import CTranslate2Greedy
 from tasks.config import ConfigError
@@ -56,7 +57,7 @@ def test_ctranslate2_decodes_as_the_sequential_decoder_where_no_rounding_decides
         theirs = engine.generate(None, batch["input_ids"], batch["attention_mask"])
         produced = backbone.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      do_sample=False, num_beams=1, max_new_tokens=40)[:, 1:].tolist()
-        outputs = [row[: row.index(special.eos) + 1] if special.eos in row else row for row in produced]
+        outputs = [through_end(row, special.eos) for row in produced]
         gaps = margins(backbone, batch["input_ids"], batch["attention_mask"], outputs, special.start)
     clear = [row for row, gap in enumerate(gaps) if gap > MARGIN]
     assert len(clear) >= 4, f"rows decided by a wide margin: {clear} (margins {gaps})"

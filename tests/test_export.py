@@ -10,7 +10,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
-from decoders.loop import split_flat_output
+from decoders.loop import split_flat_output, through_end
 from tasks import export as export_entry
 from tasks.config import ConfigError, compose
 from tasks.runs.checkpoints import load_checkpoint
@@ -62,7 +62,7 @@ def test_an_exported_model_generates_the_sequential_decoders_tokens(decoder, tmp
         bound = exported.generation_config.max_new_tokens
         ours = build_decoder("sequential", backbone.config, special, max_new_tokens=bound).generate(
             backbone, batch["input_ids"], batch["attention_mask"])
-    cut = [row[: row.index(special.eos) + 1] if special.eos in row else row for row in generated]
+    cut = [through_end(row, special.eos) for row in generated]
     assert [len(row) for row in cut] == ours.tokens
     assert len(set(ours.tokens)) > 1 and not all(ours.bound_hit), "outputs ending at their end token"
     assert all(len(row) <= bound for row in generated)

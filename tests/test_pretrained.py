@@ -18,7 +18,7 @@ from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneratio
 import datamodules.hub
 from datamodules import tokenizer as tok
 from decoders import build_decoder
-from decoders.loop import split_flat_output
+from decoders.loop import split_flat_output, through_end
 from decoders.transformers_internals import attention_implementation
 from tasks import compare, fit, test as test_entry
 from tasks.config import compose
@@ -206,7 +206,7 @@ def test_an_mt5_folder_decodes_as_its_own_generate(tmp_path, no_hub):
             backbone, input_ids, attention_mask)
         greedy = reference.generate(input_ids=input_ids, attention_mask=attention_mask,
                                     do_sample=False, num_beams=1, max_new_tokens=12)[:, 1:].tolist()
-    expected = [row[: row.index(special.eos) + 1] if special.eos in row else row for row in greedy]
+    expected = [through_end(row, special.eos) for row in greedy]
     assert out.tokens == [len(row) for row in expected]
     assert out.subsequences == [split_flat_output(row, special)[0] for row in expected]
 

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
                "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
     if args.blockwise is not None:
         batched["blockwise"] = restored("blockwise", args.blockwise)[1].module.to(device).eval()
-    exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
     if args.ctranslate2:
+        exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
         batched.update(ctranslate2_rows(args.ckpt, sequential, device, args.threads,
                                         Path(exported.name)))
     single = {GREEDY: batched[GREEDY],

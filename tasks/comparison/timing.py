@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from decoders.base import DecodeOutput, SpecialTokens
-from decoders.loop import Stopwatch, flat_decode_output
+from decoders.loop import Stopwatch, flat_decode_output, through_end
 from tasks.comparison.measure import PeakMemory, interleaved_passes
 from tasks.config import ConfigError
 
@@ -86,8 +86,8 @@ class TransformersGenerate:
                                  cache=EncoderDecoderCache(DynamicCache(), DynamicCache()), **lookup)
         finally:
             counting.remove()
-        rows = [row[:row.index(self.special.eos) + 1] if self.special.eos in row else row
-                for row in out[:, 1:].tolist()]   # what follows an end token is padding
+        # what follows an end token is padding
+        rows = [through_end(row, self.special.eos) for row in out[:, 1:].tolist()]
         return flat_decode_output(rows, self.special, [len(calls)] * len(rows), len(calls))
 
 

@@ -58,7 +58,7 @@ from decoders.onestep import one_pass_logits
 from decoders.sequential import join_subsequences
 from tasks.config import ConfigError, to_yaml
 from tasks.cli import base_parser, log, main_guard
-from tasks.runs.checkpoints import load_checkpoint
+from tasks.runs.checkpoints import load_checkpoint, trained_decoder
 from tasks.runs.tracking import ExceptionWatcher, log_params, open_tracking, run_link, run_status
 from tasks.runs.trainer import decode_target
 from tasks.runs.restore import checkpoint_config, restore
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_settings(args)
 
     checkpoint = load_checkpoint(args.ckpt)
-    trained = checkpoint.get("decoder_name", checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"])
+    trained = trained_decoder(checkpoint)
     if not decoder_class("sequential").can_decode_checkpoint_of(decoder_class(trained)):
         raise ConfigError(f"checkpoint {args.ckpt} was trained with decoder {trained!r}, whose "
                           f"backbone is not of the sequential layout that tasks.experiments.prototokens "

@@ -87,6 +87,11 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
+def trained_decoder(checkpoint: dict) -> str:
+    """The name of the decoder a checkpoint was trained with."""
+    return checkpoint.get("decoder_name", checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"])
+
+
 def stored_model(checkpoint: dict) -> StoredModel:
     """The tokenizer and backbone architecture a checkpoint carries (`BackboneTraining.
     on_save_checkpoint`). Checkpoints written before these were stored for pretrained models carry

@@ -16,7 +16,7 @@ from datamodules.tokenizer import special_tokens
 from decoders import available, decoder_class
 from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
-from tasks.runs.checkpoints import load_checkpoint, stored_model
+from tasks.runs.checkpoints import load_checkpoint, stored_model, trained_decoder
 from tasks.runs.trainer import build, build_module
 
 
@@ -49,8 +49,7 @@ def drafter_checkpoint(cfg, verifier: dict) -> dict:
                           f"{drafts_with.upper()}_CKPT, a checkpoint written by tasks.fit --decoder "
                           f"{drafts_with}")
     drafter = load_checkpoint(path)
-    stored = drafter["hyper_parameters"]["cfg"]
-    trained_with = drafter.get("decoder_name", stored["decoder"]["name"])
+    trained_with = trained_decoder(drafter)
     if trained_with != drafts_with:
         raise ConfigError(f"decoder.drafter={path} was trained with decoder {trained_with!r}; the "
                           f"{name} decoder drafts with a {drafts_with} checkpoint")
@@ -83,15 +82,14 @@ def attach_drafter(module: GenerationTask, cfg, verifier: dict) -> None:
 def check_decoder(checkpoint: dict, path: str, decoder: str) -> None:
     """Refuse to decode `checkpoint` with `decoder` where that decoder's layout is not the one the
     checkpoint's decoder trained the backbone on."""
-    stored = checkpoint["hyper_parameters"]["cfg"]
-    trained_decoder = checkpoint.get("decoder_name", stored["decoder"]["name"])
-    trained = decoder_class(trained_decoder)
+    trained_name = trained_decoder(checkpoint)
+    trained = decoder_class(trained_name)
     if not decoder_class(decoder).can_decode_checkpoint_of(trained):
         others = [name for name in available()
-                  if name != trained_decoder and decoder_class(name).can_decode_checkpoint_of(trained)]
+                  if name != trained_name and decoder_class(name).can_decode_checkpoint_of(trained)]
         also = f", or another decoder of its layout: {', '.join(others)}" if others else ""
-        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_decoder!r}; decoder "
-                          f"{decoder!r} cannot decode it (use decoder={trained_decoder}{also})")
+        raise ConfigError(f"checkpoint {path} was trained with decoder {trained_name!r}; decoder "
+                          f"{decoder!r} cannot decode it (use decoder={trained_name}{also})")
 
 
 def restore_as_trained(path: str):
@@ -157,7 +155,7 @@ EXPORTED_LAYOUT = "sequential"
 
 def check_exportable(checkpoint: dict, path: str) -> None:
     """Refuse (ConfigError) a checkpoint whose model transformers' `generate` cannot decode."""
-    trained = checkpoint.get("decoder_name", checkpoint["hyper_parameters"]["cfg"]["decoder"]["name"])
+    trained = trained_decoder(checkpoint)
     if not decoder_class(EXPORTED_LAYOUT).can_decode_checkpoint_of(decoder_class(trained)):
         raise ConfigError(f"checkpoint {path} was trained with decoder {trained!r}, whose model "
                           f"transformers' generate cannot decode (it writes its output in another "
