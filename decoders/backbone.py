@@ -1,6 +1,7 @@
-"""The T5 calls every decoder shares: the encoder once per batch, the output head, T5's decoder
-blocks run with a custom self-attention structure over a cache written at given slots
-(`decoders.cache`), and a function of the model run with its weights detached."""
+"""The backbone calls every decoder shares, in any family (`decoders.families`): the encoder once
+per batch, the output head, the decoder layers run with a custom self-attention structure over a
+cache written at given slots (`decoders.cache`), and a function of the model run with its weights
+detached."""
 from __future__ import annotations
 
 import functools
@@ -9,34 +10,32 @@ from typing import Any, Callable, Collection, Hashable, NamedTuple
 
 import torch
 from torch import nn
-from transformers import T5ForConditionalGeneration
+from transformers import PreTrainedModel
 
 from decoders.cache import DecoderCache, Slots
-from decoders.transformers_internals import attention_implementation, bias_owner, relative_position_buckets
+from decoders.families import Sizes, family_of
+from decoders.transformers_internals import attention_implementation
 
 
-def encode(model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+def encode(model: PreTrainedModel, input_ids: torch.Tensor,
            attention_mask: torch.Tensor) -> torch.Tensor:
     """Run the encoder once per batch; every decoder call reuses its output `(B, source_len, d_model)`."""
     return model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def encoder_weights(model: T5ForConditionalGeneration) -> set[nn.Parameter]:
-    """The parameters the encoder's output depends on: its blocks and the token embeddings, which T5
-    shares with its decoder's input and (tied) output projection."""
+def encoder_weights(model: PreTrainedModel) -> set[nn.Parameter]:
+    """The parameters the encoder's output depends on: its layers and the token embeddings, which
+    it may share with the decoder's input and (tied) output projection."""
     return set(model.get_encoder().parameters())
 
 
-# The settings besides its weights that an encoder's output depends on (transformers T5Config).
-ENCODER_SETTINGS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
-                    "relative_attention_num_buckets", "relative_attention_max_distance",
-                    "layer_norm_epsilon", "feed_forward_proj")
-
-
-def same_encoder(model: T5ForConditionalGeneration, other: T5ForConditionalGeneration) -> bool:
+def same_encoder(model: PreTrainedModel, other: PreTrainedModel) -> bool:
     """Whether two backbones encode every source alike: the same encoder settings and attention
     implementation, and equal encoder weights (token embeddings included) of one dtype."""
-    if any(getattr(model.config, name) != getattr(other.config, name) for name in ENCODER_SETTINGS):
+    if model.config.model_type != other.config.model_type:
+        return False
+    settings = family_of(model.config).encoder_settings
+    if any(getattr(model.config, name) != getattr(other.config, name) for name in settings):
         return False
     if attention_implementation(model.config) != attention_implementation(other.config):
         return False
@@ -46,15 +45,30 @@ def same_encoder(model: T5ForConditionalGeneration, other: T5ForConditionalGener
         for name in ours)
 
 
-def output_logits(model: T5ForConditionalGeneration, hidden: torch.Tensor) -> torch.Tensor:
-    """Decoder hidden states -> vocabulary logits, exactly as `T5ForConditionalGeneration.forward`.
+def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Decoder hidden states -> vocabulary logits, exactly as the model's forward computes them."""
+    return family_of(model.config).output_logits(model, hidden)
 
-    With tied embeddings T5 rescales the final hidden state by d_model ** -0.5 before `lm_head`;
-    skipping it changes the logits (and the argmax) compared with `generate`.
-    """
-    if model.config.scale_decoder_outputs:
-        hidden = hidden * (model.config.d_model ** -0.5)
-    return model.lm_head(hidden)
+
+def sizes(config) -> Sizes:
+    """The sizes of the decoder `config` describes: hidden, feed-forward, heads, layers."""
+    return family_of(config).sizes(config)
+
+
+def decoder_inputs(model: PreTrainedModel, labels: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced decoder inputs of `labels` (B, T): the start token, then the labels but the
+    last, -100 (ignored) read as padding."""
+    start = labels.new_full((labels.size(0), 1), model.config.decoder_start_token_id)
+    shifted = torch.cat([start, labels[:, :-1]], dim=1)
+    return shifted.masked_fill(shifted == -100, model.config.pad_token_id)
+
+
+def teacher_forced_states(model: PreTrainedModel, labels: torch.Tensor, encoder_states: torch.Tensor,
+                          attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, d_model) final decoder states of every position of `labels` under the causal mask, in
+    one pass of the model's own decoder."""
+    return model.get_decoder()(input_ids=decoder_inputs(model, labels), encoder_hidden_states=encoder_states,
+                               encoder_attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def masked_mean(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -70,31 +84,29 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-# ---- running T5's decoder blocks with a custom self-attention structure --------------------------
-# T5 adds both a relative-position bias and an attention mask to the attention scores of every
-# layer, so one precomputed (B, heads, queries, keys) tensor = relative-position bias + visibility
-# mask (a large negative value where hidden) gives a decoder any attention structure, through the
-# backbone's own weights, under eager and sdpa attention alike.
+# ---- running the decoder layers with a custom self-attention structure ----------------------------
+# Every family adds an attention mask to the attention scores of every layer, and T5 its
+# relative-position bias with it, so one precomputed (B, heads, queries, keys) tensor = position
+# bias + visibility mask (a large negative value where hidden) gives a decoder any attention
+# structure, through the backbone's own weights, under eager and sdpa attention alike.
 
 # Attention implementations that add an arbitrary float mask to the scores (flash kernels do not).
 STRUCTURED_ATTENTION = ("eager", "sdpa")
 
 
-def relative_position_bias(model: T5ForConditionalGeneration, distance: torch.Tensor,
+def relative_position_bias(model: PreTrainedModel, distance: torch.Tensor,
                            bidirectional: bool = False) -> torch.Tensor:
-    """T5's decoder position bias for `distance` = how far each key lies in the past of each query
+    """The decoder's position bias for `distance` = how far each key lies in the past of each query
     (negative: in the future, which only `bidirectional` bucketing tells apart).
 
-    distance: (B, queries, keys) ints -> (B, heads, queries, keys). Uses T5's own bucketing and the
-    first decoder layer's bias table (only layer 0 owns one).
+    distance: (B, queries, keys) ints -> (B, heads, queries, keys): T5's bucketed bias; zeros in a
+    family with absolute positions, whose positions reach the model as `run_decoder`'s `positions`.
     """
-    attention = bias_owner(model.decoder)
-    buckets = relative_position_buckets(attention, -distance, bidirectional)
-    return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+    return family_of(model.config).position_bias(model, distance, bidirectional)
 
 
-def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) -> torch.Tensor:
-    """(longest + 1, heads) T5 decoder bias of past distances 0..longest, so that each decoder call
+def past_distance_bias_table(model: PreTrainedModel, longest: int) -> torch.Tensor:
+    """(longest + 1, heads) decoder bias of past distances 0..longest, so that each decoder call
     only gathers from it: `table[distance].permute(0, 3, 1, 2)` is
     `relative_position_bias(model, distance)`. T5's bucketing takes logarithms: while decoding it
     is made once per weights (`made_from_bias_weight`), not once per decode."""
@@ -104,14 +116,14 @@ def past_distance_bias_table(model: T5ForConditionalGeneration, longest: int) ->
     return made_from_bias_weight(model, ("past distances", longest), table)
 
 
-def made_from_bias_weight(model: T5ForConditionalGeneration, key: Hashable, make: Callable[[], Any]):
-    """`make()`, a table made from the decoder's relative-position bias weight and named by `key`:
+def made_from_bias_weight(model: PreTrainedModel, key: Hashable, make: Callable[[], Any]):
+    """`make()`, a table made from the decoder's position bias weight and named by `key`:
     where no gradient is recorded (decoding), made once while that weight keeps its values and kept
     with it, so that a decode reads the tables of the decodes before it; read them, never write
     them. Elsewhere (training: a graph must not outlive its step) made on every call."""
     if torch.is_grad_enabled():
         return make()
-    bias = bias_owner(model.decoder).relative_attention_bias        # nn.Embedding (buckets, heads)
+    bias = family_of(model.config).bias_embedding(model)            # nn.Embedding
     made = WEIGHT_TABLES.get(bias)
     if made is None or not made.made_from(bias.weight):
         made = WEIGHT_TABLES[bias] = MadeTables(bias.weight.detach(), bias.weight._version, {})
@@ -172,71 +184,43 @@ def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, source_len) 1/0 padding mask -> the (B, 1, 1, source_len) additive mask T5's
+    """(B, source_len) 1/0 padding mask -> the (B, 1, 1, source_len) additive mask the
     cross-attention takes; a decoding loop makes it once and passes it to every `run_decoder`."""
     return hidden_mask(encoder_mask[:, None, :].bool(), dtype)
 
 
-def run_decoder(model: T5ForConditionalGeneration, input_ids: torch.Tensor, self_bias: torch.Tensor,
+def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torch.Tensor,
                 encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
                 cache: DecoderCache | None = None, slots: Slots | None = None,
+                positions: torch.Tensor | None = None,
                 position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-    """T5's decoder stack with a precomputed self-attention bias (relative bias + visibility mask).
+    """The decoder stack with a precomputed self-attention bias (position bias + visibility mask).
 
     input_ids: (B, Q) new tokens; self_bias: (B or 1, heads, Q, keys) where keys = cached + Q tokens;
     encoder_mask: (B, source_len) 1/0 padding mask, or its `cross_attention_mask`, made once per
     decode. Returns the final hidden states (B, Q, d_model).
     With a cache, the new tokens' keys/values are written at `slots` (`DecoderCache.write`), and the
     encoder's keys/values are computed at the first call and reused after.
-    `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings (T5
-    itself has none).
+    `positions` ((B or 1, Q) longs): each fed token's position in its output, which a family with
+    absolute positions (`families.Family.absolute_positions`) embeds; T5 reads positions from the bias.
+    `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings.
 
-    The layers run here, from the backbone's own modules and weights, as `T5Block.forward` runs them
-    (the same operations, in the same order), without its per-call bookkeeping: a decoder call of a
-    small T5 on a CPU is mostly Python, and that bookkeeping (cache lookups, kwargs, masks rebuilt,
-    the attention dispatch) costs more than the arithmetic.
+    The layers run from the backbone's own modules and weights, as the model's own layers run them
+    (the same operations, in the same order), without their per-call bookkeeping: a decoder call of
+    a small model on a CPU is mostly Python, and that bookkeeping (cache lookups, kwargs, masks
+    rebuilt, the attention dispatch) costs more than the arithmetic.
     """
     implementation = attention_implementation(model.config)
     if implementation not in STRUCTURED_ATTENTION:
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
-    decoder = model.decoder
     cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
                   else cross_attention_mask(encoder_mask, encoder_states.dtype))
     if implementation == "sdpa" and self_bias.is_cuda:
         self_bias = sdpa_aligned(self_bias)
-    embedded = decoder.embed_tokens(input_ids)
-    if position_embeddings is not None:
-        embedded = embedded + position_embeddings
-    # dropout only where it drops anything: each module call costs a decoding loop more than its op
-    dropout = decoder.dropout if decoder.training else _unchanged
-    hidden = dropout(embedded)
-    attend = _ATTEND[implementation]
-    for layer, block in enumerate(decoder.block):
-        self_attention, cross_attention, feed_forward = block.layer
-        attention = self_attention.SelfAttention
-        normed = self_attention.layer_norm(hidden)
-        keys, values = _heads(attention, attention.k(normed)), _heads(attention, attention.v(normed))
-        if cache is not None:
-            keys, values = cache.write(layer, slots, keys, values)
-        attended = attend(attention, _heads(attention, attention.q(normed)), keys, values, self_bias)
-        hidden = _finite(hidden + dropout(attention.o(attended)))
-
-        attention = cross_attention.EncDecAttention
-        cached = None if cache is None else cache.encoder_part(layer)
-        if cached is None:
-            keys = _heads(attention, attention.k(encoder_states))                 # (B, heads, S, d_kv)
-            values = _heads(attention, attention.v(encoder_states))
-            if cache is not None:
-                cache.keep_encoder_part(layer, keys, values)
-        else:
-            keys, values = cached
-        normed = cross_attention.layer_norm(hidden)
-        attended = attend(attention, _heads(attention, attention.q(normed)), keys, values, cross_mask)
-        hidden = _finite(hidden + dropout(attention.o(attended)))
-        dense = feed_forward.DenseReluDense
-        hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
-    return dropout(decoder.final_layer_norm(hidden))
+    return family_of(model.config).run_layers(model, input_ids, positions, position_embeddings,
+                                              self_bias, encoder_states, cross_mask, cache, slots,
+                                              _ATTEND[implementation])
 
 
 def sdpa_aligned(bias: torch.Tensor) -> torch.Tensor:
@@ -254,43 +238,28 @@ def sdpa_aligned(bias: torch.Tensor) -> torch.Tensor:
     return bias.clone(memory_format=torch.contiguous_format)
 
 
-def _unchanged(hidden: torch.Tensor) -> torch.Tensor:
-    """Dropout outside training: the states as they are."""
-    return hidden
-
-
-def _heads(attention: nn.Module, projected: torch.Tensor) -> torch.Tensor:
-    """(B, T, heads * d_kv) -> (B, heads, T, d_kv)."""
-    return projected.view(*projected.shape[:2], -1, attention.key_value_proj_dim).transpose(1, 2)
-
-
 def _eager_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, scores_added: torch.Tensor) -> torch.Tensor:
-    """T5's eager attention (unscaled dot products): (B, heads, Q, d_kv) x keys -> (B, Q, heads * d_kv)."""
-    weights = nn.functional.softmax(torch.matmul(query, key.transpose(2, 3)) + scores_added, dim=-1)
+                     value: torch.Tensor, scores_added: torch.Tensor, scale: float) -> torch.Tensor:
+    """Eager attention, the dot products times `scale` (T5: 1): (B, heads, Q, d_kv) x keys ->
+    (B, Q, heads * d_kv)."""
+    scores = torch.matmul(query, key.transpose(2, 3))
+    if scale != 1.0:
+        scores = scores * scale
+    weights = nn.functional.softmax(scores + scores_added, dim=-1)
     weights = nn.functional.dropout(weights, p=attention.dropout, training=attention.training)
     return torch.matmul(weights, value).transpose(1, 2).flatten(2)
 
 
 def _sdpa_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, scores_added: torch.Tensor) -> torch.Tensor:
+                    value: torch.Tensor, scores_added: torch.Tensor, scale: float) -> torch.Tensor:
     """The same through `scaled_dot_product_attention`, as transformers' sdpa attention calls it."""
     attended = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=scores_added, scale=1.0,
+        query, key, value, attn_mask=scores_added, scale=scale,
         dropout_p=attention.dropout if attention.training else 0.0)
     return attended.transpose(1, 2).flatten(2)
 
 
 _ATTEND = {"eager": _eager_attention, "sdpa": _sdpa_attention}
-
-
-def _finite(hidden: torch.Tensor) -> torch.Tensor:
-    """T5Block's guard after each sublayer: float16 states are clamped below infinity."""
-    if hidden.dtype != torch.float16:
-        return hidden
-    largest = torch.finfo(torch.float16).max
-    clamp = torch.where(torch.isinf(hidden).any(), largest - 1000, largest)
-    return torch.clamp(hidden, min=-clamp, max=clamp)
 
 
 # Dynamo keeps one list of graphs for `run_decoder`: each model, cache kind (appending, per-row

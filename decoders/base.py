@@ -12,7 +12,7 @@ A decoder owns three things and nothing else (docs/design.md, "The decoder inter
 Tasks never look inside a decoder and decoders never look at a task. To add one, subclass `Decoder`
 in a new file of this package and register it under the file's name: `@register("name")` in
 `decoders/name.py` (see `decoders/__init__.py`). What decoders share beyond this interface lives
-beside it, one concern per file: `backbone.py` (the T5 calls) and `loop.py` (decoding-loop
+beside it, one concern per file: `backbone.py` (the backbone calls, in any family of `families/`) and `loop.py` (decoding-loop
 bookkeeping).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import PretrainedConfig, PreTrainedModel
 
 from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.backbone import compiled_run_decoder, run_decoder
@@ -99,7 +99,7 @@ class Decoder(nn.Module, abc.ABC):
     # Whether decoding runs each decoder call's model step through torch.compile (`model_step`).
     compiled_calls: bool = False
 
-    def __init__(self, backbone_config: T5Config, special: SpecialTokens, **given: Any):
+    def __init__(self, backbone_config: PretrainedConfig, special: SpecialTokens, **given: Any):
         """`given`: values of the decoder's `options` (the others take their defaults), checked
         against their allowed values (ValueError naming the option, the allowed values and the
         value) and stored as attributes of the same names."""
@@ -146,19 +146,19 @@ class Decoder(nn.Module, abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def loss(self, model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+    def loss(self, model: PreTrainedModel, input_ids: torch.Tensor,
              attention_mask: torch.Tensor, layout: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scalar training loss of a batch, given the tensors `layout` built for it."""
         raise NotImplementedError
 
     @abc.abstractmethod
-    def generate(self, model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+    def generate(self, model: PreTrainedModel, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor) -> DecodeOutput:
         """Decode a batch of encoder inputs `(B, source_len)`."""
         raise NotImplementedError
 
     def model_step(self) -> Callable[..., torch.Tensor]:
-        """What a decoding loop runs T5's decoder blocks with: `backbone.run_decoder`, through
+        """What a decoding loop runs the backbone's decoder layers with: `backbone.run_decoder`, through
         torch.compile (`backbone.compiled_run_decoder`) when `compiled_calls` is set and no
         gradient is recorded (training never compiles)."""
         if self.compiled_calls and not torch.is_grad_enabled():

@@ -32,11 +32,11 @@ from torch import nn
 from decoders import register
 from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.backbone import at_least_float32, encode, output_logits, with_frozen_weights
+from decoders.backbone import (at_least_float32, encode, output_logits, sizes, teacher_forced_states,
+                               with_frozen_weights)
 from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
 from decoders.drafts import Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
-from decoders.transformers_internals import shift_right
 
 
 class ProposalHeads(nn.Module):
@@ -103,7 +103,8 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
         # head i (0-based) predicts token t + 2 + i from the decoder state at t
-        self.heads = ProposalHeads(self.block_size - 1, backbone_config.d_model, backbone_config.d_ff)
+        size = sizes(backbone_config)
+        self.heads = ProposalHeads(self.block_size - 1, size.d_model, size.d_ff)
 
     # ---- heads -------------------------------------------------------------------------------
     def proposal_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,10 +124,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
         train_backbone = torch.is_grad_enabled() and not self.freeze_backbone
         with torch.set_grad_enabled(train_backbone):
             encoder_states = encode(model, input_ids, attention_mask)  # (B, S, d_model)
-            hidden = model.decoder(input_ids=shift_right(model, labels),
-                                   encoder_hidden_states=encoder_states,
-                                   encoder_attention_mask=attention_mask,
-                                   use_cache=False).last_hidden_state  # (B, T, d)
+            hidden = teacher_forced_states(model, labels, encoder_states, attention_mask)  # (B, T, d)
             total = _cross_entropy(output_logits(model, hidden), labels)
         for i in range(1, len(self.heads) + 1):
             # head i at position t predicts labels[t + i] (base head: labels[t])

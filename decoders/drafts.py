@@ -22,7 +22,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import cross_attention_mask, encode, output_logits
+from decoders.backbone import cross_attention_mask, encode, output_logits, sizes
 from decoders.base import Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.draft_policy import (ADAPTIVE, FIXED, Tally, counted_positions, fed_offers,
@@ -259,6 +259,8 @@ class VerifyLoop:
         self.reads = drafter.host_reads
         self.most_slots = self.bound + self.width + 1   # a live row's count < bound, and it writes k slots
         self.table, self.per_queries = bias_tables(model, self.bound, self.width + 1, device)
+        # a fed token's position is its slot: the count of the row's tokens before it
+        self.positions = torch.arange(self.most_slots, device=device)[None]        # (1, most_slots)
         earlier = 0 if self.reads is None else self.reads.earlier_tokens
         # output indices of the tokens before a row's newest, from its count
         self.earlier_offsets = torch.arange(-earlier - 1, -1, device=device) if earlier else None
@@ -280,7 +282,7 @@ class VerifyLoop:
                       Tally(threshold) if threshold > 0 else None, DraftCounters(), drafting, 0, {},
                       [False] * batch_size)
         device_part = OnDevice(starts, live, live.index[:, None], live.index, encoder_states, cross_mask,
-                               DecoderCache(len(self.model.decoder.block), self.most_slots), produced)
+                               DecoderCache(sizes(self.model.config).layers, self.most_slots), produced)
         return self.fed_next(LoopState(device_part, host), starts, drafting.first)
 
     def call(self, state: LoopState) -> Called:
@@ -293,15 +295,17 @@ class VerifyLoop:
         if min(host.counts) == highest:   # every row at one count (always at batch size 1)
             count = highest
             slots = Slots(start=highest)
+            positions = self.positions[:, highest: highest + queries]                # (1, Q)
             bias = tables.one_count[..., self.bound - 1 - highest: self.bound - 1 + queries]  # (1, heads, Q, W)
         else:   # each row's tokens at their positions, count .. count + Q - 1
             count = send([[count] for count in host.counts], device.rows.device)      # (live, 1)
             slots = Slots(each=count + tables.fed_offset, rows=device.rows[:, None],
                           width=highest + queries)
+            positions = slots.each                                                   # (live, Q)
             based = count.view(-1, 1, 1, 1) + tables.based_offsets[..., : slots.width]
             bias = self.table.gather(based)                                          # (live, heads, Q, W)
         hidden = self.run(self.model, device.fed, bias, device.encoder_states, device.cross_mask,
-                          device.cache, slots)                                       # (live, Q, d_model)
+                          device.cache, slots, positions)                            # (live, Q, d_model)
         if queries == 1:   # no row feeds a draft token
             tokens = output_logits(self.model, hidden).argmax(-1)                    # (live, 1)
             return self.called(state, hidden, tokens, count, slots)

@@ -68,7 +68,7 @@ from decoders import register
 from datamodules.vocabulary import pad_batch, Range, SpecialTokens
 from decoders.backbone import (at_least_float32, cross_attention_mask, encode, encoder_weights,
                                hidden_mask, made_from_bias_weight, masked_mean, output_logits,
-                               relative_position_bias, with_frozen_weights)
+                               relative_position_bias, sizes, with_frozen_weights)
 from decoders.base import OUTPUT_BOUND, Decoder, Option
 from decoders.loop import flat_decode_output
 from decoders.sequential import join_subsequences
@@ -192,12 +192,13 @@ class MaskPredictDecoder(Decoder):
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
         # class k <-> length k + 1; a submodule, so it is trained, checkpointed and moved with the task
-        self.length_predictor = nn.Linear(backbone_config.d_model, self.max_new_tokens)
+        size = sizes(backbone_config)
+        self.length_predictor = nn.Linear(size.d_model, self.max_new_tokens)
         # absolute positions 0..max_new_tokens-1 (see the module docstring); initialised at the
-        # scale of T5's own token embeddings (normal, std = initializer_factor) so that positions
-        # are told apart from the first step on
-        self.position_embedding = nn.Embedding(self.max_new_tokens, backbone_config.d_model)
-        nn.init.normal_(self.position_embedding.weight, std=backbone_config.initializer_factor)
+        # scale of the backbone's own token embeddings so that positions are told apart from the
+        # first step on
+        self.position_embedding = nn.Embedding(self.max_new_tokens, size.d_model)
+        nn.init.normal_(self.position_embedding.weight, std=size.init_std)
 
     # -- the decoder stack -----------------------------------------------------------------------
     def decoder_hidden(self, model, decoder_input: torch.Tensor, self_bias: torch.Tensor,
@@ -210,7 +211,9 @@ class MaskPredictDecoder(Decoder):
         recomputes all positions, since their inputs change.
         """
         width = decoder_input.size(1)
+        positions = torch.arange(width, device=decoder_input.device)[None]              # (1, W)
         return self.model_step()(model, decoder_input, self_bias, encoder_states, encoder_mask,
+                                 positions=positions,
                                  position_embeddings=self.position_embedding.weight[None, :width])
 
     # -- length prediction ---------------------------------------------------------------------

@@ -36,7 +36,8 @@ from torch import nn
 from decoders import register
 from datamodules.vocabulary import SpecialTokens
 from decoders.backbone import (at_least_float32, encode, hidden_mask, masked_mean, output_logits,
-                               past_distance_bias_table, run_decoder, with_frozen_weights)
+                               past_distance_bias_table, run_decoder, sizes,
+                               with_frozen_weights)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.loop import flat_decode_output, read_back, through_end
 from decoders.sequential import SequentialDecoder
@@ -65,8 +66,9 @@ def one_pass_logits(model, start: int, offsets: torch.Tensor, encoder_states: to
     """
     batch, width = offsets.shape[:2]
     ids = torch.full((batch, width), start, dtype=torch.long, device=offsets.device)
+    positions = torch.arange(width, device=offsets.device)[None]      # (1, W)
     hidden = run(model, ids, causal_bias(model, width), encoder_states, encoder_mask,
-                 position_embeddings=offsets)                          # (B, W, d_model)
+                 positions=positions, position_embeddings=offsets)     # (B, W, d_model)
     return output_logits(model, hidden)
 
 
@@ -109,12 +111,12 @@ class OneStepDecoder(Decoder):
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)
-        self.proto_encoder = ProtoTokenEncoder(backbone_config.d_model, backbone_config.d_ff)
-        # m - embed(b): random, at the scale of T5's own embedding init, so that m differs from e
+        size = sizes(backbone_config)
+        self.proto_encoder = ProtoTokenEncoder(size.d_model, size.d_ff)
+        # m - embed(b): random, at the scale of the backbone's embedding init, so that m differs from e
         # from the start (with m = e every input is the same vector and every position, attending
         # to identical values, would get the same state and the same token)
-        self.m_offset = nn.Parameter(torch.randn(backbone_config.d_model)
-                                     * backbone_config.initializer_factor)
+        self.m_offset = nn.Parameter(torch.randn(size.d_model) * size.init_std)
 
     @classmethod
     def can_decode_checkpoint_of(cls, trained: type[Decoder]) -> bool:

@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import torch
-from transformers import T5ForConditionalGeneration
+from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
 from decoders.backbone import (cross_attention_mask, encode, HeadTable, made_from_bias_weight,
-                               output_logits, past_distance_bias_table, run_decoder)
+                               output_logits, past_distance_bias_table, run_decoder, sizes)
 from decoders.cache import DecoderCache, Slots
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, send
@@ -161,7 +161,7 @@ class Batch:
     """What one `generate` keeps beside its examples: fixed for the batch, or, one row per live
     example (in `live`'s order), on the device; `LiveRows.drop` drops a done example's row."""
 
-    model: T5ForConditionalGeneration
+    model: PreTrainedModel
     run: Callable[..., torch.Tensor]   # what runs the decoder blocks (`Decoder.model_step`)
     table: HeadTable             # `structure_table` of the slot and offset bounds
     width: int                   # `grid_width` of the offset bound
@@ -260,7 +260,8 @@ class PipelinedDecoder(Decoder):
         grid = Grid.of_layout(layout, padding_index)
         bias = attention_bias(table, grid, grid)
         encoder_states = encode(model, input_ids, attention_mask)
-        hidden = run_decoder(model, layout["tokens"], bias, encoder_states, attention_mask)
+        hidden = run_decoder(model, layout["tokens"], bias, encoder_states, attention_mask,
+                             positions=layout["offset"])
         return output_logits(model, hidden)
 
     def loss(self, model, input_ids, attention_mask, layout):
@@ -321,7 +322,7 @@ class PipelinedDecoder(Decoder):
         width = grid_width(length - 1)
         encoder_states = encode(model, input_ids, attention_mask)
         return Batch(model, self.model_step(), table, width, padding_code=slots * width,
-                     cache=DecoderCache(len(model.decoder.block)), rows=LiveRows(batch_size, device),
+                     cache=DecoderCache(sizes(model.config).layers), rows=LiveRows(batch_size, device),
                      keys=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
                      encoder_states=encoder_states,
                      cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
@@ -365,9 +366,11 @@ class PipelinedDecoder(Decoder):
         token, query = send([tokens, codes], batch.keys.device).unbind(0)               # (B', R) each
         appended = Slots(start=batch.keys.size(1))     # the call's columns follow the cache's
         batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
-        bias = attention_bias(batch.table, Grid(query, width), Grid(batch.keys, width))
+        query = Grid(query, width)
+        bias = attention_bias(batch.table, query, Grid(batch.keys, width))
+        # a token's position in its subsequence (`Grid.offset`), for families with absolute ones
         hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
-                           batch.cache, appended)                                      # (B', R, d)
+                           batch.cache, appended, query.offset)                        # (B', R, d)
         hidden = hidden.flatten(0, 1) if cells is None else hidden[cells]              # (n, d)
         batch.batch_calls += 1
         return batch.rows.read(output_logits(batch.model, hidden).argmax(-1))

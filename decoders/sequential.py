@@ -18,7 +18,8 @@ import torch
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import cross_attention_mask, encode, output_logits, past_distance_bias_table
+from decoders.backbone import (cross_attention_mask, decoder_inputs, encode, output_logits,
+                               past_distance_bias_table, sizes)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
@@ -48,9 +49,10 @@ class SequentialDecoder(Decoder):
 
     def loss(self, model, input_ids, attention_mask, layout):
         # use_cache=False: teacher forcing computes every position's keys and values at once, so a
-        # cache would only copy them
-        return model(input_ids=input_ids, attention_mask=attention_mask, labels=layout["labels"],
-                     use_cache=False).loss
+        # cache would only copy them; the decoder inputs given, as every family shifts alike
+        labels = layout["labels"]
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                     decoder_input_ids=decoder_inputs(model, labels), use_cache=False).loss
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
@@ -60,7 +62,8 @@ class SequentialDecoder(Decoder):
         # T5's causal bias, computed once: the query of step t sees keys 0..t, which lie t..0 steps
         # in its past, i.e. the last t + 1 columns of `past` (distances bound-1 .. 0).
         past = past_distance_bias_table(model, bound - 1).flip(0).T[None, :, None]  # (1, heads, 1, bound)
-        cache = DecoderCache(len(model.decoder.block))
+        cache = DecoderCache(sizes(model.config).layers)
+        positions = torch.arange(bound, device=device)[None]                      # (1, bound)
         rows = LiveRows(batch_size, device)
         produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
@@ -68,7 +71,7 @@ class SequentialDecoder(Decoder):
         for step in range(bound):
             # the token at position `step` writes its keys and values at slot `step`
             hidden = run(model, step_input, past[..., bound - 1 - step:], encoder_states, cross_mask,
-                         cache, Slots(start=step))                         # (live, 1, d_model)
+                         cache, Slots(start=step), positions[:, step: step + 1])   # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
             produced[rows.index, step] = next_tokens
             if step + 1 == bound:

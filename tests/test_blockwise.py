@@ -277,10 +277,12 @@ def test_a_call_attends_to_no_more_than_the_longest_live_row():
 
     seen = []  # per call: (slots attended, buffer slots, fed width, tokens produced by each live row)
 
-    def recording_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots):
+    def recording_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots,
+                              positions):
         first = input_ids[:, 0].tolist()
         produced = [0 if t == SPECIAL.start else LONG_CHAIN.index(t) + 1 for t in first]
-        hidden = run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots)
+        hidden = run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots,
+                             positions)
         seen.append((self_bias.size(-1), cache.held(), input_ids.size(1),
                      produced))
         return hidden

@@ -113,9 +113,11 @@ def resolves(reference: str, module) -> bool:
         or (first == "torch" and longest_module(reference) is not None)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "decoders").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "decoders").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO / "decoders")))
 def test_every_dotted_name_in_the_decoders_docstrings_resolves(path):
-    module = importlib.import_module(f"decoders.{path.stem}" if path.stem != "__init__" else "decoders")
+    parts = path.relative_to(REPO).with_suffix("").parts
+    module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     cited = {ref for doc in docstrings(path) for ref in DOTTED.findall(doc)}
     assert [ref for ref in sorted(cited) if not resolves(ref, module)] == []
 

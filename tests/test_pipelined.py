@@ -123,13 +123,15 @@ def observed_generate(monkeypatch, decoder, model, input_ids, attention_mask):
         seen["query"], seen["keys"] = query, keys
         return attention_bias(table, query, keys)
 
-    def observed_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots):
+    def observed_run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots,
+                             positions):
         # the keys include this call's columns; the call writes right after what the cache holds
         assert slots.start == cache.held()
         fed = (seen["keys"].subsequence != padding).sum(1) - (seen["query"].subsequence != padding).sum(1)
         seen["calls"].append((cache.held(), int(fed.max()), seen["appended"]))
         seen["appended"] += input_ids.size(1)
-        return run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots)
+        return run_decoder(model, input_ids, self_bias, encoder_states, encoder_mask, cache, slots,
+                           positions)
 
     def observed_logits(model, hidden):
         logits = output_logits(model, hidden)                                       # (n, vocab)

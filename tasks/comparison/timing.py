@@ -62,6 +62,18 @@ def timed(decoder, model, batch: dict, device: torch.device, precision: str):
     return out, clock.total()
 
 
+# `generate`'s extras beyond greedy decoding, switched off: a model's generation configuration
+# (a checkpoint's generation_config.json, or defaults its model configuration implies, such as
+# BART's forced end token) fills in every setting a call leaves unset, so a call sets each of them.
+# The library's decoders do none of these; with them off, `generate` is the greedy decoding they
+# are compared with and equal to.
+PLAIN_GREEDY = {"do_sample": False, "num_beams": 1, "forced_bos_token_id": None,
+                "forced_eos_token_id": None, "no_repeat_ngram_size": 0,
+                "encoder_no_repeat_ngram_size": 0, "min_length": 0,
+                "repetition_penalty": 1.0, "bad_words_ids": None, "suppress_tokens": None,
+                "begin_suppress_tokens": None}
+
+
 class TransformersGenerate:
     """transformers' own greedy `generate` as a decoder, with the flat output of a sequential
     decoder bounded at `max_new_tokens`; with `prompt_lookup_num_tokens`, its prompt-lookup
@@ -81,8 +93,8 @@ class TransformersGenerate:
         try:
             # an empty cache of its own: the one `generate` makes has a layer per encoder layer
             # (`num_layers`), and fails on a decoder deeper than its encoder (`num_decoder_layers`)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                 num_beams=1, max_new_tokens=self.max_new_tokens,
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                 max_new_tokens=self.max_new_tokens, **PLAIN_GREEDY,
                                  cache=EncoderDecoderCache(DynamicCache(), DynamicCache()), **lookup)
         finally:
             counting.remove()

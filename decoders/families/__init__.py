@@ -1,0 +1,123 @@
+"""Backbone families: one adapter per encoder–decoder family, chosen from a model's configuration.
+
+Every decoder reaches its backbone through `decoders.backbone`, which asks `family_of(config)` for
+the adapter of the model's type; decoders never name a family. An adapter says:
+- the sizes a decoder's own modules are built to (`Sizes`);
+- how a distance between two output positions biases attention: T5 learns a bias per bucket of
+  relative distance, shared by the stack's layers (`position_bias`); families with absolute
+  positions bias nothing there and read each fed token's position instead (`absolute_positions`);
+- how its decoder layers run over a cache written at given slots (`run_layers`) and how their
+  final states become logits (`output_logits`);
+- which settings its encoder's output depends on (`encoder_settings`).
+The decoder's start token is the configuration's `decoder_start_token_id` in every family.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Callable, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from decoders.cache import DecoderCache, Slots
+
+
+class Sizes(NamedTuple):
+    """The sizes of a backbone's decoder that a decoder's own modules are built to."""
+
+    d_model: int      # hidden size
+    d_ff: int         # feed-forward inner size
+    heads: int        # self-attention heads
+    layers: int       # decoder layers
+    init_std: float   # the spread the family initialises its embeddings with
+
+
+class Family(abc.ABC):
+    """The adapter of one family of encoder–decoder models (module docstring)."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()   # `config.model_type`s it runs
+    absolute_positions: ClassVar[bool] = False    # whether `run_layers` reads `positions`
+    encoder_settings: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def sizes(self, config) -> Sizes:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def position_bias(self, model, distance: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+        """distance: (B, queries, keys) ints, how far each key lies in the past of each query
+        (negative: in its future) -> (B, heads, queries, keys) self-attention bias."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def bias_embedding(self, model) -> nn.Embedding:
+        """The embedding whose weight `position_bias` reads: tables made from the bias are kept
+        while that weight keeps its values (`backbone.made_from_bias_weight`)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def run_layers(self, model, input_ids: torch.Tensor, positions: torch.Tensor | None,
+                   position_embeddings: torch.Tensor | None, self_bias: torch.Tensor,
+                   encoder_states: torch.Tensor, cross_mask: torch.Tensor,
+                   cache: DecoderCache | None, slots: Slots | None, attend: Callable) -> torch.Tensor:
+        """The decoder stack on fed tokens (B, Q) -> final hidden states (B, Q, d_model), as
+        `backbone.run_decoder` describes; `attend(attention, query, key, value, added, scale)`."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def output_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """Final decoder states (..., d_model) -> vocabulary logits, as the model's forward."""
+        raise NotImplementedError
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: type[Family]) -> type[Family]:
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family()
+    return family
+
+
+def running_model_types() -> tuple[str, ...]:
+    """Every model type some family runs."""
+    return tuple(FAMILIES)
+
+
+def family_of(config) -> Family:
+    """The adapter of `config`'s model type; a ValueError naming it and the types that run."""
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ValueError(f"the decoders do not run {config.model_type!r} models; they run these "
+                         f"model types: {', '.join(FAMILIES)}")
+    return family
+
+
+def heads_of(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, heads * head_dim) -> (B, heads, T, head_dim)."""
+    return projected.view(*projected.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def unchanged(hidden: torch.Tensor) -> torch.Tensor:
+    """Dropout outside training: the states as they are."""
+    return hidden
+
+
+def encoder_keys_values(cache: DecoderCache | None, layer: int,
+                        compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+    """A decoder layer's cross-attention keys and values (B, heads, S, d_kv): kept in the cache at
+    a decode's first call and read after."""
+    kept = None if cache is None else cache.encoder_part(layer)
+    if kept is not None:
+        return kept
+    keys, values = compute()
+    if cache is not None:
+        cache.keep_encoder_part(layer, keys, values)
+    return keys, values
+
+
+def _import_families() -> None:
+    from decoders.families import bart, t5  # noqa: F401  (each registers itself)
+
+
+_import_families()

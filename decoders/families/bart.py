@@ -1,0 +1,102 @@
+"""BART and the families built like it (mBART, Pegasus, Marian): absolute positions, learned (BART
+and mBART, stored two rows on) or sinusoidal (Pegasus, Marian), added to the scaled token
+embeddings; norm after each sublayer (BART, Marian) or before it with a final norm (mBART,
+Pegasus); an embedding norm (BART, mBART); scaled dot-product attention; the output projection
+plus `final_logits_bias`. No relative-position bias: a position reaches the model as the fed
+token's `positions`, and a decoder's bias tables hold only what each query may see."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decoders.families import (Family, Sizes, encoder_keys_values, heads_of, register_family,
+                               unchanged)
+
+# The types whose layers norm before each sublayer (and the stack's output after the last).
+NORM_FIRST = ("mbart", "pegasus")
+
+
+@register_family
+class BartFamily(Family):
+    model_types = ("bart", "mbart", "pegasus", "marian")
+    absolute_positions = True
+    encoder_settings = ("vocab_size", "d_model", "encoder_layers", "encoder_attention_heads",
+                        "encoder_ffn_dim", "activation_function", "max_position_embeddings",
+                        "scale_embedding", "pad_token_id")
+
+    def sizes(self, config):
+        return Sizes(config.d_model, config.decoder_ffn_dim, config.decoder_attention_heads,
+                     config.decoder_layers, config.init_std)
+
+    def position_bias(self, model, distance, bidirectional):
+        heads = model.config.decoder_attention_heads
+        return model.get_decoder().embed_tokens.weight.new_zeros(
+            distance.size(0), heads, *distance.shape[1:])
+
+    def bias_embedding(self, model):
+        # no table reads a weight; they are kept with the token embedding
+        return model.get_decoder().embed_tokens
+
+    def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
+                   encoder_states, cross_mask, cache, slots, attend):
+        if positions is None:
+            raise ValueError(f"a {model.config.model_type} decoder call needs each fed token's "
+                             f"position (`positions`)")
+        decoder = model.get_decoder()
+        # a scaled embedding module (BART, mBART) or a scale kept beside it (Pegasus, Marian)
+        embedded = decoder.embed_tokens(input_ids) * getattr(decoder, "embed_scale", 1.0)
+        table = decoder.embed_positions
+        embedded = embedded + nn.functional.embedding(positions + getattr(table, "offset", 0),
+                                                      table.weight)
+        if position_embeddings is not None:
+            embedded = embedded + position_embeddings
+        embedding_norm = getattr(decoder, "layernorm_embedding", None)
+        if embedding_norm is not None:
+            embedded = embedding_norm(embedded)
+        training = decoder.training
+        dropout = (lambda x: nn.functional.dropout(x, decoder.dropout, True)) if training else unchanged
+        hidden = dropout(embedded)
+        norm_first = model.config.model_type in NORM_FIRST
+        for index, layer in enumerate(decoder.layers):
+            attention = layer.self_attn
+
+            def self_attended(normed):
+                keys = heads_of(attention.k_proj(normed), attention.head_dim)
+                values = heads_of(attention.v_proj(normed), attention.head_dim)
+                if cache is not None:
+                    keys, values = cache.write(index, slots, keys, values)
+                return attention.out_proj(attend(
+                    attention, heads_of(attention.q_proj(normed), attention.head_dim), keys, values,
+                    self_bias, attention.scaling))
+            hidden = _sublayer(hidden, self_attended, layer.self_attn_layer_norm, norm_first, dropout)
+
+            cross = layer.encoder_attn
+
+            def cross_attended(normed):
+                keys, values = encoder_keys_values(
+                    cache, index, lambda: (heads_of(cross.k_proj(encoder_states), cross.head_dim),
+                                           heads_of(cross.v_proj(encoder_states), cross.head_dim)))
+                return cross.out_proj(attend(cross, heads_of(cross.q_proj(normed), cross.head_dim),
+                                             keys, values, cross_mask, cross.scaling))
+            hidden = _sublayer(hidden, cross_attended, layer.encoder_attn_layer_norm, norm_first,
+                               dropout)
+
+            def fed_forward(normed):
+                inner = layer.activation_fn(layer.fc1(normed))
+                if training:
+                    inner = nn.functional.dropout(inner, layer.activation_dropout, True)
+                return layer.fc2(inner)
+            hidden = _sublayer(hidden, fed_forward, layer.final_layer_norm, norm_first, dropout)
+        final_norm = getattr(decoder, "layer_norm", None)
+        return hidden if final_norm is None else final_norm(hidden)
+
+    def output_logits(self, model, hidden):
+        return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)
+
+
+def _sublayer(hidden: torch.Tensor, sublayer, norm: nn.Module, norm_first: bool,
+              dropout) -> torch.Tensor:
+    """One residual sublayer, its norm before it (and the residual left unnormed) or after it."""
+    if norm_first:
+        return hidden + dropout(sublayer(norm(hidden)))
+    return norm(hidden + dropout(sublayer(hidden)))

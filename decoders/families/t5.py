@@ -1,0 +1,80 @@
+"""T5 and its kin (T5 v1.1 and Flan-T5, mT5, LongT5's layout aside): relative-position buckets of
+learned biases, shared by the stack's layers, no absolute positions; norm before each sublayer;
+unscaled dot-product attention; with tied embeddings the final states scaled by d_model ** -0.5."""
+from __future__ import annotations
+
+import torch
+
+from decoders.families import (Family, Sizes, encoder_keys_values, heads_of, register_family,
+                               unchanged)
+from decoders.transformers_internals import bias_owner, relative_position_buckets
+
+
+@register_family
+class T5Family(Family):
+    model_types = ("t5", "mt5")
+    encoder_settings = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                        "relative_attention_num_buckets", "relative_attention_max_distance",
+                        "layer_norm_epsilon", "feed_forward_proj")
+
+    def sizes(self, config):
+        return Sizes(config.d_model, config.d_ff, config.num_heads, config.num_decoder_layers,
+                     config.initializer_factor)
+
+    def position_bias(self, model, distance, bidirectional):
+        # T5's own bucketing, and the first decoder layer's table (only layer 0 owns one)
+        attention = bias_owner(model.decoder)
+        buckets = relative_position_buckets(attention, -distance, bidirectional)
+        return attention.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+
+    def bias_embedding(self, model):
+        return bias_owner(model.decoder).relative_attention_bias
+
+    def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
+                   encoder_states, cross_mask, cache, slots, attend):
+        # the same operations as `T5Block.forward`, in the same order
+        decoder = model.decoder
+        embedded = decoder.embed_tokens(input_ids)
+        if position_embeddings is not None:
+            embedded = embedded + position_embeddings
+        # dropout only where it drops anything: each module call costs a decoding loop more than its op
+        dropout = decoder.dropout if decoder.training else unchanged
+        hidden = dropout(embedded)
+        for layer, block in enumerate(decoder.block):
+            self_attention, cross_attention, feed_forward = block.layer
+            attention = self_attention.SelfAttention
+            width = attention.key_value_proj_dim
+            normed = self_attention.layer_norm(hidden)
+            keys, values = heads_of(attention.k(normed), width), heads_of(attention.v(normed), width)
+            if cache is not None:
+                keys, values = cache.write(layer, slots, keys, values)
+            attended = attend(attention, heads_of(attention.q(normed), width), keys, values,
+                              self_bias, 1.0)
+            hidden = _finite(hidden + dropout(attention.o(attended)))
+
+            attention = cross_attention.EncDecAttention
+            keys, values = encoder_keys_values(
+                cache, layer, lambda: (heads_of(attention.k(encoder_states), width),
+                                       heads_of(attention.v(encoder_states), width)))
+            normed = cross_attention.layer_norm(hidden)
+            attended = attend(attention, heads_of(attention.q(normed), width), keys, values,
+                              cross_mask, 1.0)
+            hidden = _finite(hidden + dropout(attention.o(attended)))
+            dense = feed_forward.DenseReluDense
+            hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
+        return dropout(decoder.final_layer_norm(hidden))
+
+    def output_logits(self, model, hidden):
+        # skipping the rescale changes the logits (and the argmax) compared with `generate`
+        if model.config.scale_decoder_outputs:
+            hidden = hidden * (model.config.d_model ** -0.5)
+        return model.lm_head(hidden)
+
+
+def _finite(hidden: torch.Tensor) -> torch.Tensor:
+    """T5Block's guard after each sublayer: float16 states are clamped below infinity."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    largest = torch.finfo(torch.float16).max
+    clamp = torch.where(torch.isinf(hidden).any(), largest - 1000, largest)
+    return torch.clamp(hidden, min=-clamp, max=clamp)

@@ -1,0 +1,65 @@
+"""Tiny random models of every family the decoders run beside T5 (BART, mBART, Pegasus, Marian),
+whose greedy outputs vary and end at different steps, with their special tokens."""
+from __future__ import annotations
+
+import torch
+from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel,
+                          MBartConfig, MBartForConditionalGeneration, PegasusConfig,
+                          PegasusForConditionalGeneration)
+
+from datamodules.vocabulary import SpecialTokens
+from decoders.transformers_internals import set_attention_implementation
+
+VOCAB = 64
+# model type -> (configuration, model class, special ids (pad, eos, start) as each family has them)
+FAMILIES = {
+    "bart": (BartConfig, BartForConditionalGeneration, (1, 2, 2)),
+    "mbart": (MBartConfig, MBartForConditionalGeneration, (1, 2, 2)),
+    "pegasus": (PegasusConfig, PegasusForConditionalGeneration, (0, 1, 0)),
+    "marian": (MarianConfig, MarianMTModel, (VOCAB - 1, 0, VOCAB - 1)),   # pad: the last id
+}
+FAMILY_TYPES = tuple(FAMILIES)
+# above every special id of every family, below Marian's pad
+FIRST_ORDINARY, LAST_ORDINARY = 5, VOCAB - 2
+
+
+def family_special(model_type: str) -> SpecialTokens:
+    pad, eos, start = FAMILIES[model_type][2]
+    return SpecialTokens(pad=pad, eos=eos, unk=3, sep=3, mask=4, start=start)
+
+
+def tiny_family_model(model_type: str, seed: int = 1, implementation: str = "eager",
+                      **overrides):
+    """A tiny random model of `model_type`, in eval mode. As `conftest.tiny_t5`: a wide init
+    varies its tokens, and the end token's output row pointed at its favourite token ends rows
+    after a few, differing steps."""
+    config_class, model_class, (pad, eos, start) = FAMILIES[model_type]
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                          decoder_ffn_dim=64, max_position_embeddings=128, dropout=0.0,
+                          attention_dropout=0.0, activation_dropout=0.0, init_std=2.0,
+                          pad_token_id=pad, eos_token_id=eos, bos_token_id=None if model_type == "marian" else 0,
+                          decoder_start_token_id=start, forced_eos_token_id=eos, **overrides)
+    set_attention_implementation(config, implementation)
+    model = model_class(config).eval()
+    input_ids, attention_mask = family_batch(model_type, 6, seed=seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             num_beams=1, max_new_tokens=15, forced_eos_token_id=None)
+        favourite = torch.mode(out[:, 1:].flatten()).values
+        model.lm_head.weight[eos] = model.lm_head.weight[favourite] * 1.02
+    return model
+
+
+def family_batch(model_type: str, batch_size: int = 4, max_len: int = 12, seed: int = 1):
+    """Encoder inputs of different lengths, right-padded with the family's pad id, each ending in
+    its end token as the family's tokenizers write them."""
+    pad, eos, _ = FAMILIES[model_type][2]
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, max_len + 1, (batch_size,), generator=g)
+    input_ids = torch.full((batch_size, int(lengths.max())), pad, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        input_ids[i, : n - 1] = torch.randint(FIRST_ORDINARY, LAST_ORDINARY + 1, (n - 1,), generator=g)
+        input_ids[i, n - 1] = eos
+    return input_ids, (input_ids != pad).long()

@@ -1,0 +1,180 @@
+"""Every decoder on every family beside T5 (BART, mBART, Pegasus, Marian), through the one backbone
+interface (`decoders.families`): the lossless decoders give transformers' greedy `generate` tokens,
+batched with padding, in float64; pipelined equals its plain reference and its first subsequence
+is greedy decoding; nar and onestep train and decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoders import build_decoder
+from decoders.backbone import decoder_inputs, run_decoder, sizes
+from decoders.families import family_of
+from tasks.comparison.timing import PLAIN_GREEDY, TransformersGenerate
+from tests.families import FAMILY_TYPES, family_batch, family_special, tiny_family_model
+from tests.test_pipelined import assert_equals_reference
+
+pytestmark = pytest.mark.float64
+
+BOUND = 16
+LOSSLESS = ("sequential", "lookup", "blockwise", "aggressive")
+
+
+def decoder_for(name: str, model, **options):
+    special = family_special(model.config.model_type)
+    decoder = build_decoder(name, model.config, special, **options).eval()
+    if name == "aggressive":   # a random Mask-Predict drafter on a second model of the family
+        drafter_model = tiny_family_model(model.config.model_type, seed=2)
+        drafter = build_decoder("nar", drafter_model.config, special, max_new_tokens=BOUND).eval()
+        decoder.attach_drafter(drafter, drafter_model)
+    return decoder
+
+
+def greedy(model, input_ids, attention_mask):
+    special = family_special(model.config.model_type)
+    return TransformersGenerate(BOUND, special).generate(model, input_ids, attention_mask)
+
+
+def varied_batch(model, batch_size: int = 5):
+    """The first seeded batch whose greedy outputs write at least three distinct tokens and stop
+    at different steps, some by their end token: equalities on it are not vacuous."""
+    model_type = model.config.model_type
+    for seed in range(40):
+        input_ids, attention_mask = family_batch(model_type, batch_size, seed=seed)
+        out = greedy(model, input_ids, attention_mask)
+        written = {token for row in out.subsequences for sub in row for token in sub}
+        if len(written) >= 3 and len(set(out.tokens)) >= 2 and not all(out.bound_hit):
+            return input_ids, attention_mask
+    raise AssertionError(f"no varied batch for the {model_type} model")
+
+
+@pytest.mark.parametrize("name", LOSSLESS)
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_lossless_decoders_give_generates_greedy_tokens(model_type, name):
+    """Batched, right-padded sources of different lengths; rows that end at different steps and
+    rows cut by the bound: every row's tokens are `generate`'s, and so is where it stopped."""
+    model = tiny_family_model(model_type)
+    input_ids, attention_mask = varied_batch(model)
+    options = {"max_new_tokens": BOUND} if name != "lookup" else {"max_new_tokens": BOUND, "match": 1}
+    out = decoder_for(name, model, **options).generate(model, input_ids, attention_mask)
+    expected = greedy(model, input_ids, attention_mask)
+    assert out.subsequences == expected.subsequences
+    assert out.tokens == expected.tokens
+    assert out.bound_hit == expected.bound_hit
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_sdpa_gives_eagers_tokens(model_type):
+    eager = tiny_family_model(model_type)
+    sdpa = tiny_family_model(model_type, implementation="sdpa")
+    input_ids, attention_mask = varied_batch(eager)
+    outputs = [decoder_for("sequential", model, max_new_tokens=BOUND).generate(model, input_ids, attention_mask)
+               for model in (eager, sdpa)]
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_generates_extras_are_switched_off(model_type):
+    """A model whose generation configuration asks for extras beyond greedy decoding (as real
+    checkpoints' do: no repeated n-grams, a minimum length, a forced first and last token):
+    `generate` as the library calls it (`PLAIN_GREEDY`) ignores them and equals the sequential
+    decoder, while `generate` left to the model's configuration honours them and writes another
+    output."""
+    model = tiny_family_model(model_type)
+    special = family_special(model_type)
+    config = model.generation_config
+    config.no_repeat_ngram_size, config.min_length = 1, 4
+    config.forced_bos_token_id, config.forced_eos_token_id = 7, special.eos
+    input_ids, attention_mask = family_batch(model_type, 5, seed=3)
+    out = decoder_for("sequential", model, max_new_tokens=BOUND).generate(model, input_ids, attention_mask)
+    plain = greedy(model, input_ids, attention_mask)
+    assert (out.subsequences, out.tokens) == (plain.subsequences, plain.tokens)
+    honoured = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                              num_beams=1, max_new_tokens=BOUND)
+    assert honoured[:, 1].eq(7).all()                       # the forced first token
+    assert set(PLAIN_GREEDY) >= {"forced_bos_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
+                                 "min_length"}
+
+
+@pytest.mark.parametrize("model_type", ("bart", "pegasus", "marian"))
+def test_the_sequential_loss_is_the_models_own(model_type):
+    """The decoder inputs the sequential loss feeds (`decoder_inputs`: the start token, then the
+    labels shifted) are the ones the model's forward makes from labels alone. (mBART's own shift
+    moves the last label to the front instead; every decoder here starts with the start token.)"""
+    model = tiny_family_model(model_type)
+    special = family_special(model_type)
+    input_ids, attention_mask = family_batch(model_type, 4, seed=5)
+    labels = torch.randint(5, 40, (4, 6))
+    labels[:, -1] = special.eos
+    labels[0, 4:] = -100
+    ours = decoder_for("sequential", model).loss(model, input_ids, attention_mask, {"labels": labels})
+    own = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    torch.testing.assert_close(ours, own, rtol=1e-12, atol=0)
+    assert decoder_inputs(model, labels)[:, 0].eq(special.start).all()
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_a_call_without_positions_is_refused(model_type):
+    model = tiny_family_model(model_type)
+    input_ids, attention_mask = family_batch(model_type, 2)
+    states = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    bias = torch.zeros(1, sizes(model.config).heads, 1, 1)
+    with pytest.raises(ValueError, match="position"):
+        run_decoder(model, input_ids[:, :1], bias, states, attention_mask)
+    assert family_of(model.config).absolute_positions
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_pipelined_equals_its_plain_reference(model_type, delay, monkeypatch):
+    """Each token at its offset in its subsequence as its position: the cached, batched decode
+    equals the plain one, which recomputes every logit with the training forward."""
+    model = tiny_family_model(model_type)
+    decoder = decoder_for("pipelined", model, delay=delay, max_subsequences=3,
+                          max_subsequence_length=5, max_steps=20)
+    input_ids, attention_mask = family_batch(model_type, 4, max_len=9, seed=9)
+    assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_pipelineds_first_subsequence_is_greedy_decoding(model_type):
+    """Subsequence 0 sees only itself, at positions 0, 1, ...: on an untrained model it writes the
+    greedy tokens up to the first end token (or its length bound)."""
+    model = tiny_family_model(model_type)
+    special = family_special(model_type)
+    length = 6
+    decoder = decoder_for("pipelined", model, delay=1, max_subsequences=2,
+                          max_subsequence_length=length, max_steps=20)
+    input_ids, attention_mask = family_batch(model_type, 5, seed=3)
+    out = decoder.generate(model, input_ids, attention_mask)
+    raw = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=length,
+                         **PLAIN_GREEDY)[:, 1:].tolist()
+    for row, subsequences in zip(raw, out.subsequences):
+        first = row[: row.index(special.eos)] if special.eos in row else row
+        assert (subsequences[0] if subsequences else []) == first
+
+
+@pytest.mark.parametrize("name", ("nar", "onestep", "pipelined", "blockwise"))
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_every_decoder_trains_and_decodes(model_type, name):
+    """A few steps of the decoder's own loss lower it, and the trained model decodes a batch."""
+    model = tiny_family_model(model_type).train()
+    decoder = decoder_for(name, model, max_new_tokens=BOUND).train()
+    parameters = list(decoder.parameters()) + ([] if name == "onestep" else list(model.parameters()))
+    optimizer = torch.optim.AdamW(parameters, lr=3e-3)
+    input_ids, attention_mask = family_batch(model_type, 8, max_len=9, seed=11)
+    targets = [[row[i: i + 3] for i in range(0, n - 1, 3)]
+               for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
+    losses = []
+    for _ in range(8):
+        torch.manual_seed(0)   # nar's masks alike at every step: the loss of one batch falls
+        loss = decoder.loss(model, input_ids, attention_mask, decoder.layout(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    out = decoder.eval().generate(model.eval(), input_ids, attention_mask)
+    assert len(out.subsequences) == len(input_ids)
+    vocab = model.config.vocab_size
+    assert all(0 <= token < vocab for row in out.subsequences for sub in row for token in sub)
