@@ -98,15 +98,30 @@ def encode_targets(tokenizer, texts: list[list[str]], data: DictConfig,
                         data.max_subsequence_length, report) for example in texts]
 
 
+def source_template(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's own template puts before and after a source's (T5's end token,
+    BART's <s> and </s>, mBART's end token and language code); a tokenizer whose template adds
+    none (the library's trained ones) gets T5's: the end token after."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    templated = tokenizer("a")["input_ids"]
+    for start in range(len(templated) - len(plain) + 1):
+        if templated[start: start + len(plain)] == plain:
+            prefix, suffix = templated[:start], templated[start + len(plain):]
+            if prefix or suffix:
+                return prefix, suffix
+    return [], [tokenizer.eos_token_id]
+
+
 def encode_sources(tokenizer, task: str, records: list[dict],
                    max_source_length: int) -> tuple[list[list[int]], int]:
-    """Each record's source text as the encoder reads it: its token ids, cut to
-    `max_source_length` with the end token T5 appends to its input; and how many were cut."""
+    """Each record's source text as the encoder reads it: its token ids in the tokenizer's
+    template (`source_template`), cut to `max_source_length` with the template kept whole; and
+    how many were cut."""
     sources = tokenizer([schema_for(task).source_text(r) for r in records],
                         add_special_tokens=False)["input_ids"]
-    limit = max_source_length - 1  # room for the end token
-    eos = tokenizer.eos_token_id
-    return [source[:limit] + [eos] for source in sources], sum(len(s) > limit for s in sources)
+    prefix, suffix = source_template(tokenizer)
+    limit = max(1, max_source_length - len(prefix) - len(suffix))  # room for the template's ids
+    return [prefix + source[:limit] + suffix for source in sources], sum(len(s) > limit for s in sources)
 
 
 class SubsequenceDataModule(L.LightningDataModule):

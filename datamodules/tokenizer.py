@@ -177,8 +177,10 @@ def load_pretrained(hub_id: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def special_tokens(tokenizer: PreTrainedTokenizerFast) -> SpecialTokens:
+def special_tokens(tokenizer: PreTrainedTokenizerFast, start: int) -> SpecialTokens:
+    """The tokenizer's special ids, and `start`, the decoder start token its backbone's
+    configuration names (`decoder_start_token_id`: T5's and Pegasus's pad, BART's end token,
+    Marian's pad, the last id)."""
     ids = tokenizer.convert_tokens_to_ids
     return SpecialTokens(pad=tokenizer.pad_token_id, eos=tokenizer.eos_token_id,
-                         unk=tokenizer.unk_token_id, sep=ids(SEP), mask=ids(MASK),
-                         start=tokenizer.pad_token_id)
+                         unk=tokenizer.unk_token_id, sep=ids(SEP), mask=ids(MASK), start=start)

@@ -18,7 +18,8 @@ import torch
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """Token ids a decoder may need. T5 conventions: pad=0 doubles as the decoder start token."""
+    """Token ids a decoder may need, the tokenizer's and the decoder start token its backbone's
+    configuration names."""
 
     pad: int
     eos: int

@@ -9,10 +9,11 @@ one, and the GPU tests ran on 5.17):
 - the configuration's attention implementation (`PretrainedConfig._attn_implementation`), read to
   refuse one the decoders' structured attention cannot pass its mask to, and set when a backbone
   is built from a configuration;
-- T5's shift of labels into decoder inputs (`T5PreTrainedModel._shift_right`);
-- T5's module layout, which `backbone.run_decoder` runs layer by layer: a block's `layer` (self
-  attention, cross attention, feed-forward), their `layer_norm` and `dropout`, an attention's
-  `q`, `k`, `v`, `o`, `key_value_proj_dim` and `dropout`.
+- each family's module layout, which its adapter (`decoders/families/`) runs layer by layer:
+  T5's block `layer` (self attention, cross attention, feed-forward), their `layer_norm` and
+  `dropout`, an attention's `q`, `k`, `v`, `o`, `key_value_proj_dim` and `dropout`; BART's
+  `layers`, `self_attn`, `encoder_attn`, `fc1`, `fc2`, their norms, `embed_positions` (and its
+  `offset`), `embed_scale`, `layernorm_embedding`, `layer_norm` and `final_logits_bias`.
 """
 from __future__ import annotations
 
@@ -44,7 +45,3 @@ def set_attention_implementation(config, implementation: str) -> None:
     """Build models from `config` with `implementation`."""
     config._attn_implementation = implementation
 
-
-def shift_right(model, labels: torch.Tensor) -> torch.Tensor:
-    """Decoder inputs of `labels`: the start token, then the labels but the last (-100 as pad)."""
-    return model._shift_right(labels)

@@ -68,7 +68,6 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from datamodules.tokenizer import special_tokens
 from decoders import build_decoder, decoder_class
 from tasks.baselines import scored_baselines
 from tasks.comparison.measure import measure_speed
@@ -204,7 +203,7 @@ def with_decoder(cfg: DictConfig, trained: Built, checkpoint: str) -> Built:
     """The trained backbone and decoder modules (of `checkpoint`) under a decoder built with `cfg`'s
     options, its drafter attached where it drafts with another model."""
     module = trained.module
-    decoder = build_decoder(cfg.decoder.name, module.backbone.config, special_tokens(module.tokenizer),
+    decoder = build_decoder(cfg.decoder.name, module.backbone.config, module.decoder.special,
                             **decoder_options(cfg))
     decoder.load_state_dict(module.decoder.state_dict())
     new = TASK_MODULES[cfg.task.name](cfg, module.backbone, decoder, module.tokenizer)

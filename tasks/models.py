@@ -1,12 +1,14 @@
-"""Backbones: a small random T5 built from a config (offline) or a pretrained T5, from the hub or
-from a local folder (`model.hub_id=DIR`)."""
+"""Backbones: a small random T5 built from a config (offline) or a pretrained encoder–decoder of a
+family the decoders run (`decoders.families`: T5, mT5, BART, mBART, Pegasus, Marian), from the hub
+or from a local folder (`model.hub_id=DIR`)."""
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoConfig, T5Config, T5ForConditionalGeneration
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel, T5Config, T5ForConditionalGeneration
 
 from datamodules.tokenizer import pretrained_files
+from decoders.families import family_of, running_model_types
 from decoders.transformers_internals import (bias_owner, relative_position_buckets,
                                              set_attention_implementation)
 
@@ -16,35 +18,29 @@ from decoders.transformers_internals import (bias_owner, relative_position_bucke
 POSITION_HEAD_BIAS = 8.0
 
 
-# The model types of a pretrained folder or hub id the decoders run: those whose weights load
-# whole into T5ForConditionalGeneration, whose layers `decoders.backbone.run_decoder` runs.
-RUNNING_MODEL_TYPES = ("t5", "mt5")
-
-
 class ModelError(RuntimeError):
     """A backbone could not be built or loaded; the message says what to do instead."""
 
 
 def check_pretrained_model_type(model: DictConfig) -> None:
     """Refuse (ModelError), before any data is read or any weight loaded, a pretrained model
-    (`model.hub_id`) of a type the decoders do not run: it would load as a T5 whose weights are all
-    new, and decode noise. Only its configuration is read."""
+    (`model.hub_id`) of a type no family of the decoders runs (`decoders.families`). Only its
+    configuration is read."""
     if model.name == "t5-tiny":
         return
     with pretrained_files(model.hub_id, "the configuration of", ModelError) as name:
         config = AutoConfig.from_pretrained(name)
-    if config.model_type not in RUNNING_MODEL_TYPES:
+    if config.model_type not in running_model_types():
         built_as = ", ".join(config.architectures or []) or "no architecture named"
         raise ModelError(f"model.hub_id={model.hub_id!r} is a {config.model_type!r} model "
                          f"({built_as}); the decoders run these model types: "
-                         f"{', '.join(RUNNING_MODEL_TYPES)} (T5ForConditionalGeneration's weights)")
+                         f"{', '.join(running_model_types())}")
 
 
-def build_backbone(model: DictConfig, tokenizer,
-                   stored_config: dict | None = None) -> T5ForConditionalGeneration:
+def build_backbone(model: DictConfig, tokenizer, stored_config: dict | None = None) -> PreTrainedModel:
     """The backbone `model` describes, for `tokenizer`. `stored_config` is the architecture a
-    checkpoint carries (its backbone's T5Config as a dict), for a backbone whose weights come from
-    that checkpoint: a pretrained one is then built from it, without its folder or the hub."""
+    checkpoint carries (its backbone's configuration as a dict), for a backbone whose weights come
+    from that checkpoint: a pretrained one is then built from it, without its folder or the hub."""
     # `model.attn_implementation` (sdpa by default, as in transformers: fused kernels on GPUs, or
     # eager): the decoders' own attention structures hold under both (decoders.backbone.run_decoder).
     if model.name == "t5-tiny":  # its architecture is the configuration's
@@ -60,20 +56,25 @@ def build_backbone(model: DictConfig, tokenizer,
                              list(model.position_heads.decoder))
         return backbone
     if stored_config is not None:  # random weights, replaced by the checkpoint's
-        config = T5Config.from_dict(stored_config, dropout_rate=model.dropout)
+        # checkpoints written before other families ran hold a T5's configuration without its type
+        stored = {"model_type": "t5", **stored_config}
+        config = AutoConfig.for_model(**stored)
+        setattr(config, family_of(config).dropout_setting, model.dropout)
         set_attention_implementation(config, model.attn_implementation)
-        backbone = T5ForConditionalGeneration(config)
+        backbone = AutoModelForSeq2SeqLM.from_config(config)
     else:
         check_pretrained_model_type(model)
         with pretrained_files(model.hub_id, "pretrained weights", ModelError) as name:
-            backbone, loading = T5ForConditionalGeneration.from_pretrained(
-                name, attn_implementation=model.attn_implementation, dropout_rate=model.dropout,
-                output_loading_info=True)
+            config = AutoConfig.from_pretrained(name)
+            dropout = {family_of(config).dropout_setting: model.dropout}
+            backbone, loading = AutoModelForSeq2SeqLM.from_pretrained(
+                name, attn_implementation=model.attn_implementation, output_loading_info=True,
+                **dropout)
         new = sorted(loading["missing_keys"]) + sorted(loading["mismatched_keys"])
         if new:   # a weight not in the folder would decode from its random start
-            raise ModelError(f"the weights of {model.hub_id!r} do not load whole into a T5: {len(new)} "
-                             f"missing or of another shape ({', '.join(map(str, new[:4]))}"
-                             f"{', ...' if len(new) > 4 else ''})")
+            raise ModelError(f"the weights of {model.hub_id!r} do not load whole into a "
+                             f"{type(backbone).__name__}: {len(new)} missing or of another shape "
+                             f"({', '.join(map(str, new[:4]))}{', ...' if len(new) > 4 else ''})")
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone

@@ -63,3 +63,35 @@ def family_batch(model_type: str, batch_size: int = 4, max_len: int = 12, seed: 
         input_ids[i, : n - 1] = torch.randint(FIRST_ORDINARY, LAST_ORDINARY + 1, (n - 1,), generator=g)
         input_ids[i, n - 1] = eos
     return input_ids, (input_ids != pad).long()
+
+
+# model type -> (the names of its special tokens by id, its source template): the families' own
+# layouts, on a word-level vocabulary of VOCAB ids
+TOKENIZER_LAYOUTS = {
+    "bart": ({0: "<s>", 1: "<pad>", 2: "</s>", 3: "<unk>", 4: "<mask>"}, "<s> $A </s>"),
+    "mbart": ({0: "<s>", 1: "<pad>", 2: "</s>", 3: "<unk>", 4: "<mask>", VOCAB - 2: "en_XX"},
+              "$A </s> en_XX"),
+    "pegasus": ({0: "<pad>", 1: "</s>", 2: "<mask>", 3: "<unk>", 4: "<mask_1>"}, "$A </s>"),
+    "marian": ({0: "</s>", 1: "<unk>", VOCAB - 1: "<pad>"}, "$A </s>"),
+}
+
+
+def family_tokenizer(model_type: str):
+    """A word-level tokenizer in `model_type`'s layout: its special tokens at the family's ids and
+    its source template; every other id is the word "w<id>"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    names, template = TOKENIZER_LAYOUTS[model_type]
+    vocab = {names.get(i, f"w{i}"): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = [(token, vocab[token]) for token in template.split() if token != "$A"]
+    tokenizer.post_processor = processors.TemplateProcessing(single=template, special_tokens=specials)
+    by_name = {name: i for i, name in names.items()}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        **({"bos_token": "<s>"} if "<s>" in by_name else {}),
+        **({"mask_token": "<mask>"} if "<mask>" in by_name else {}),
+        additional_special_tokens=[name for name in names.values()
+                                   if name not in ("<s>", "</s>", "<pad>", "<unk>", "<mask>")])

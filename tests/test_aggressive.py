@@ -12,10 +12,9 @@ from torch import nn
 
 from decoders import build_decoder
 from decoders.aggressive import MISMATCH, NEVER, OUTGROWN, REALIGN
-from decoders.backbone import encode, output_logits
+from decoders.backbone import decoder_inputs, encode, output_logits
 from decoders.drafts import Source
 from decoders.nar import MaskPredictDecoder, PredictedOutputs, tokens_to_remask
-from decoders.transformers_internals import shift_right
 from tests.conftest import (SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, greedy_outputs,
                             random_batch, sequential, tiny_t5)
 
@@ -303,7 +302,7 @@ def test_relaxed_acceptance_takes_a_runner_up_draft_token_exact_acceptance_does_
     input_ids, attention_mask = random_batch(8, seed=26)
     greedy = greedy_outputs(model, input_ids, attention_mask, BOUND)
     with torch.no_grad():
-        decoder_input = shift_right(model, torch.tensor([g[:3] + [0] * (3 - len(g[:3])) for g in greedy]))
+        decoder_input = decoder_inputs(model, torch.tensor([g[:3] + [0] * (3 - len(g[:3])) for g in greedy]))
         hidden = model(input_ids=input_ids, attention_mask=attention_mask,
                        decoder_input_ids=decoder_input, output_hidden_states=True).decoder_hidden_states[-1]
         runner_up = output_logits(model, hidden)[:, 2].topk(2).indices[:, 1].tolist()

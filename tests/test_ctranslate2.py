@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
 from decoders.loop import through_end
 from tasks.bench import peers
@@ -46,7 +45,7 @@ def test_ctranslate2_decodes_as_the_sequential_decoder_where_no_rounding_decides
     exported = save_pretrained_folder(path, str(tmp_path / "exported"))
     stored = load_checkpoint(path)
     module = restore_module(stored, path, checkpoint_config(stored, path, ["decoder=sequential"]))
-    special = special_tokens(module.tokenizer)
+    special = module.decoder.special
     batch = module.tokenizer(texts, return_tensors="pt", padding=True)
     engine = CTranslate2Greedy(str(exported), module.tokenizer, special, 40, "float32",
                                torch.device("cpu"), threads=1)

@@ -135,7 +135,7 @@ def test_tokenizer_is_cached_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(tok, "_train", lambda *a: pytest.fail("retrained despite the cache"))
     second = tok.train_or_load(texts, 120, tmp_path)
     assert first.get_vocab() == second.get_vocab()
-    special = tok.special_tokens(second)
+    special = tok.special_tokens(second, 0)
     assert (special.pad, special.eos, special.unk, special.sep, special.mask) == (0, 1, 2, 3, 4)
     # different data -> a different cache entry
     monkeypatch.undo()

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from datamodules.tokenizer import special_tokens
 from decoders import build_decoder
 from decoders.loop import split_flat_output, through_end
 from tasks import export as export_entry
@@ -29,7 +28,7 @@ def ending_checkpoint(folder: Path, decoder: str, texts: list[str]) -> str:
     its outputs repeat most (as tests.conftest.tiny_t5 does)."""
     module = build(compose("keyphrase", decoder, None, [*TINY, "model.initializer_factor=6",
                                                        *tracking(folder)])).module.eval()
-    special = special_tokens(module.tokenizer)
+    special = module.decoder.special
     batch = module.tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
         out = build_decoder("sequential", module.backbone.config, special, max_new_tokens=40).generate(
@@ -58,7 +57,7 @@ def test_an_exported_model_generates_the_sequential_decoders_tokens(decoder, tmp
         generated = exported.generate(input_ids=batch["input_ids"],
                                       attention_mask=batch["attention_mask"])[:, 1:].tolist()
         backbone = module.backbone.double().eval()
-        special = special_tokens(module.tokenizer)
+        special = module.decoder.special
         bound = exported.generation_config.max_new_tokens
         ours = build_decoder("sequential", backbone.config, special, max_new_tokens=bound).generate(
             backbone, batch["input_ids"], batch["attention_mask"])

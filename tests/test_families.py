@@ -7,11 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers import AutoModelForSeq2SeqLM
+
 from decoders import build_decoder
 from decoders.backbone import decoder_inputs, run_decoder, sizes
 from decoders.families import family_of
+from decoders.loop import through_end
 from tasks.comparison.timing import PLAIN_GREEDY, TransformersGenerate
-from tests.families import FAMILY_TYPES, family_batch, family_special, tiny_family_model
+from tasks.predictor import Predictor
+from tests.families import (FAMILY_TYPES, FIRST_ORDINARY, family_batch, family_special,
+                            family_tokenizer, tiny_family_model)
+from tests.test_pretrained import no_hub  # noqa: F401  (a fixture)
 from tests.test_pipelined import assert_equals_reference
 
 pytestmark = pytest.mark.float64
@@ -178,3 +184,33 @@ def test_every_decoder_trains_and_decodes(model_type, name):
     assert len(out.subsequences) == len(input_ids)
     vocab = model.config.vocab_size
     assert all(0 <= token < vocab for row in out.subsequences for sub in row for token in sub)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_a_save_pretrained_folder_of_every_family_predicts_its_greedy_output(model_type, tmp_path,
+                                                                            no_hub):
+    """A folder as the family's `save_pretrained` writes it, with a tokenizer in the family's
+    layout: `Predictor.from_pretrained` reads the sources in the tokenizer's template and writes,
+    as text, what the model's own greedy `generate` writes for them."""
+    folder = tmp_path / model_type
+    model = tiny_family_model(model_type)
+    model.save_pretrained(folder)
+    tokenizer = family_tokenizer(model_type)
+    tokenizer.save_pretrained(folder)
+    input_ids, _ = varied_batch(model)
+    pad = family_special(model_type).pad
+    words = [[f"w{token}" for token in row if token >= FIRST_ORDINARY and token != pad]
+             for row in input_ids.tolist()]
+    records = [{"id": str(i), "document": " ".join(row)} for i, row in enumerate(words)]
+    predictor = Predictor.from_pretrained(
+        str(folder), task="summarization", decoder="sequential", device="cpu",
+        overrides=["model.dropout=0.0", "model.attn_implementation=eager",
+                   f"decoder.max_new_tokens={BOUND}", "trainer.precision=64"])
+    predicted = [record["summary"] for record in predictor.predict(records)]
+    encoded = tokenizer([record["document"] for record in records], padding=True, return_tensors="pt")
+    reference = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    out = reference.generate(**encoded, max_new_tokens=BOUND, **PLAIN_GREEDY)[:, 1:].tolist()
+    special = family_special(model_type)
+    written = [through_end(row, special.eos)[:-1] if special.eos in row else row for row in out]
+    expected = [[tokenizer.decode(row, skip_special_tokens=True)] if row else [] for row in written]
+    assert predicted == expected

@@ -53,7 +53,7 @@ def test_a_wheel_installs_and_fits_from_another_directory(tmp_path):
     assert listed.returncode == 0 and "python -m tasks.experiments.pretrain" in listed.stdout
 
 
-PRIVATE_TRANSFORMERS_NAMES = ("._attn_implementation", "._shift_right", "._relative_position_bucket")
+PRIVATE_TRANSFORMERS_NAMES = ("._attn_implementation", "._relative_position_bucket")
 
 
 def test_transformers_internals_are_used_behind_one_door():

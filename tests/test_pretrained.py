@@ -12,8 +12,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 import safetensors.torch
-from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, MT5Config,
-                          MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration)
+from transformers import (AutoTokenizer, MT5Config, MT5ForConditionalGeneration, T5Config,
+                          T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration)
 
 import datamodules.hub
 from datamodules import tokenizer as tok
@@ -69,7 +69,7 @@ def test_pretrained_tokenizer_keeps_t5_sentinels_beside_sep_and_mask(no_hub):
     assert tokenizer.convert_tokens_to_ids(SENTINELS) == plain.convert_tokens_to_ids(SENTINELS)
     assert len(plain) == 32100 and len(tokenizer) == 32102
     assert tokenizer.convert_tokens_to_ids([tok.SEP, tok.MASK]) == [32100, 32101]
-    special = tok.special_tokens(tokenizer)
+    special = tok.special_tokens(tokenizer, 0)
     assert (special.pad, special.eos, special.unk, special.sep, special.mask) == (0, 1, 2, 32100, 32101)
     ids = tokenizer("fill <extra_id_0> in <sep> here", add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_tokens_to_ids("<extra_id_0>") in ids and special.sep in ids
@@ -90,7 +90,7 @@ def test_tokenizer_rebuilt_from_a_checkpoint_encodes_and_decodes_alike(kind, tmp
     rebuilt = tok.from_serialized(stored["tokenizer_json"], stored["tokenizer_settings"])
     assert len(rebuilt) == len(tokenizer)
     assert rebuilt.all_special_tokens == tokenizer.all_special_tokens
-    assert tok.special_tokens(rebuilt) == tok.special_tokens(tokenizer)
+    assert tok.special_tokens(rebuilt, 0) == tok.special_tokens(tokenizer, 0)
     for text in TEXTS:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert rebuilt(text, add_special_tokens=False)["input_ids"] == ids
@@ -135,23 +135,21 @@ def test_a_missing_or_incomplete_model_folder_is_named(tmp_path, no_hub):
         build_backbone(model, tok.load_pretrained(model.hub_id))
 
 
-def tiny_bart_folder(folder: Path) -> Path:
-    """A folder as BART's `save_pretrained` leaves it (configuration and random weights)."""
-    config = BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                        decoder_ffn_dim=32, max_position_embeddings=64)
-    BartForConditionalGeneration(config).save_pretrained(folder)
+def tiny_umt5_folder(folder: Path) -> Path:
+    """A folder as UMT5's `save_pretrained` leaves it (configuration and random weights)."""
+    config = UMT5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=1)
+    UMT5ForConditionalGeneration(config).save_pretrained(folder)
     return folder
 
 
 def test_a_model_of_a_type_the_decoders_do_not_run_is_refused_before_any_work(tmp_path, no_hub,
                                                                               monkeypatch):
-    """A BART folder would load as a T5 whose every weight is new: it is refused, naming its model
-    type and the types that run, before a tokenizer, data or weights are read."""
-    folder = tiny_bart_folder(tmp_path / "bart")
+    """A UMT5 folder (a bias table in every layer, which no family adapter runs) is refused,
+    naming its model type and the types that run, before a tokenizer, data or weights are read."""
+    folder = tiny_umt5_folder(tmp_path / "umt5")
     monkeypatch.setattr(tok, "load_pretrained", lambda *_: pytest.fail("the tokenizer was read"))
-    expected = r"model.hub_id='.*bart' is a 'bart' model \(BartForConditionalGeneration\); the " \
-               r"decoders run these model types: t5, mt5"
+    expected = r"model.hub_id='.*umt5' is a 'umt5' model \(UMT5ForConditionalGeneration\); the " \
+               r"decoders run these model types: t5, mt5, bart, mbart, pegasus, marian"
     with pytest.raises(ModelError, match=expected):
         Predictor.from_pretrained(str(folder), task="summarization")
     monkeypatch.setattr(trainer, "build", lambda *_, **__: pytest.fail("data was read"))
@@ -174,7 +172,7 @@ def test_weights_that_do_not_load_whole_are_refused(tmp_path, no_hub):
     del tensors[dropped]
     safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
     model = compose(overrides=["model=t5-small", f"model.hub_id={folder}"]).model
-    with pytest.raises(ModelError, match=rf"do not load whole into a T5: 1 missing .*\({dropped}\)"):
+    with pytest.raises(ModelError, match=rf"do not load whole into a T5ForConditionalGeneration: 1 missing .*\({dropped}\)"):
         build_backbone(model, tok.load_pretrained(model.hub_id))
 
 
@@ -201,7 +199,7 @@ def test_an_mt5_folder_decodes_as_its_own_generate(tmp_path, no_hub):
         input_ids = torch.randint(5, 32000, (4, 9), generator=torch.Generator().manual_seed(1))
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1:, 6:] = 0
-        special = tok.special_tokens(tokenizer)
+        special = tok.special_tokens(tokenizer, backbone.config.decoder_start_token_id)
         out = build_decoder("sequential", backbone.config, special, max_new_tokens=12).generate(
             backbone, input_ids, attention_mask)
         greedy = reference.generate(input_ids=input_ids, attention_mask=attention_mask,

@@ -38,6 +38,7 @@ class Family(abc.ABC):
     model_types: ClassVar[tuple[str, ...]] = ()   # `config.model_type`s it runs
     absolute_positions: ClassVar[bool] = False    # whether `run_layers` reads `positions`
     encoder_settings: ClassVar[tuple[str, ...]] = ()
+    dropout_setting: ClassVar[str] = "dropout"      # the configuration's dropout probability
 
     @abc.abstractmethod
     def sizes(self, config) -> Sizes:
@@ -117,7 +118,9 @@ def encoder_keys_values(cache: DecoderCache | None, layer: int,
 
 
 def _import_families() -> None:
-    from decoders.families import bart, t5  # noqa: F401  (each registers itself)
+    # each registers itself; T5's first, the order messages list the model types in
+    from decoders.families import t5  # noqa: F401
+    from decoders.families import bart  # noqa: F401
 
 
 _import_families()

@@ -13,6 +13,7 @@ from decoders.transformers_internals import bias_owner, relative_position_bucket
 @register_family
 class T5Family(Family):
     model_types = ("t5", "mt5")
+    dropout_setting = "dropout_rate"
     encoder_settings = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
                         "relative_attention_num_buckets", "relative_attention_max_distance",
                         "layer_norm_epsilon", "feed_forward_proj")
@@ -65,8 +66,8 @@ class T5Family(Family):
         return dropout(decoder.final_layer_norm(hidden))
 
     def output_logits(self, model, hidden):
-        # skipping the rescale changes the logits (and the argmax) compared with `generate`
-        if model.config.scale_decoder_outputs:
+        # T5 with tied embeddings rescales (skipping it changes the argmax); mT5's forward never does
+        if getattr(model.config, "scale_decoder_outputs", False):
             hidden = hidden * (model.config.d_model ** -0.5)
         return model.lm_head(hidden)
 

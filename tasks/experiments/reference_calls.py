@@ -37,7 +37,7 @@ def reference_counts(planned, datamodule: SubsequenceDataModule, split: str) -> 
     """One row per planned decoder: its calls per reference of `split` (None where the count
     depends on the model), with the mean and the ratio to the first row's mean."""
     backbone_config = build_backbone(planned[0][0].model, datamodule.tokenizer).config
-    special = special_tokens(datamodule.tokenizer)
+    special = special_tokens(datamodule.tokenizer, backbone_config.decoder_start_token_id)
     rows = []
     for cfg, swept in planned:
         decoder = build_decoder(cfg.decoder.name, backbone_config, special, **decoder_options(cfg))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from datamodules.tokenizer import special_tokens
 from decoders import available, decoder_class
 from tasks.config import ConfigError, compose
 from tasks.module import GenerationTask
@@ -181,7 +180,7 @@ def save_pretrained_folder(path: str, out: str) -> Path:
     check_exportable(checkpoint, path)
     cfg = checkpoint_config(checkpoint, path, [f"decoder={EXPORTED_LAYOUT}"])
     module = restore_module(checkpoint, path, cfg)
-    special = special_tokens(module.tokenizer)
+    special = module.decoder.special
     backbone = module.backbone
     backbone.generation_config = GenerationConfig(
         decoder_start_token_id=special.start, eos_token_id=special.eos, pad_token_id=special.pad,

@@ -60,7 +60,7 @@ def build_module(cfg: DictConfig, tokenizer, backbone_config: dict | None = None
     """The backbone (of architecture `backbone_config` where given), the decoder and the task
     module for `tokenizer`: the part of `build` that reads no data."""
     backbone = build_backbone(cfg.model, tokenizer, backbone_config)
-    decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(tokenizer),
+    decoder = build_decoder(cfg.decoder.name, backbone.config, special_tokens(tokenizer, backbone.config.decoder_start_token_id),
                             **decoder_options(cfg))
     return (module_class or TASK_MODULES[cfg.task.name])(cfg, backbone, decoder, tokenizer)
 
