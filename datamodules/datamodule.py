@@ -154,10 +154,10 @@ class SubsequenceDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._encoded:
             return
-        if self.tokenizer is None and self.model_cfg.name != "t5-tiny":
+        if self.tokenizer is None and not tok.built_here(self.model_cfg):
             # needs no data: a bad model.hub_id fails before any is read (or downloaded)
             self.tokenizer = tok.load_pretrained(self.model_cfg.hub_id)
-        if self.tokenizer is None:  # t5-tiny's, trained below
+        if self.tokenizer is None:  # the model's built here, trained below
             tok.cache_folder(self.data.tokenizer_cache)  # checked before the data is read
         self.load_records()
         if self.tokenizer is None:
@@ -193,7 +193,8 @@ class SubsequenceDataModule(L.LightningDataModule):
         schema = schema_for(self.task)
         texts = [schema.source_text(r) for r in self._records["train"]]
         texts += [t for r in self._records["train"] for t in target_texts(self.task, r)]
-        return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache)
+        return tok.train_or_load(texts, self.model_cfg.vocab_size, self.data.tokenizer_cache,
+                                 tok.built_type(self.model_cfg))
 
     def _encode(self, records: list[dict]) -> tuple[list[Encoded], DataReport]:
         report = DataReport(examples=len(records))

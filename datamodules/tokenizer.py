@@ -1,8 +1,11 @@
-"""Tokenizers: trained locally for `t5-tiny`, loaded with `from_pretrained` for pretrained T5 (from
-the hub or from a local folder).
+"""Tokenizers: trained locally for a model built here (`t5-tiny`, `bart-tiny`, ...), loaded with
+`from_pretrained` for a pretrained one (from the hub or from a local folder).
 
-Both follow T5's conventions (pad=0, eos=1, unk=2) and carry two extra special tokens the decoders
-need: `<sep>` (joins subsequences in the flat layout) and `<mask>` (non-autoregressive decoding).
+A trained one is laid out as its model family's tokenizers are (`LAYOUTS`: T5's pad=0, eos=1,
+unk=2; BART's <s>, <pad>, </s>, <unk> and its `<s> ... </s>` template; mBART's language code after
+the end token; Marian's pad as the last id), and every one carries two extra special tokens the
+decoders need: `<sep>` (joins subsequences in the flat layout) and `<mask>` (non-autoregressive
+decoding).
 A trained tokenizer is cached on disk under a key made of the training texts and the settings, so a
 second run with the same data reuses it instead of training again. It writes any text: a character
 it did not see in training is written as its UTF-8 bytes (byte fallback), and decoding gives back
@@ -22,15 +25,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from typing import NamedTuple
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from datamodules.vocabulary import SpecialTokens
 
 log = logging.getLogger(__name__)
 
-PAD, EOS, UNK, SEP, MASK = "<pad>", "</s>", "<unk>", "<sep>", "<mask>"
-SPECIAL_TOKENS = [PAD, EOS, UNK, SEP, MASK]  # ids 0..4 in a trained tokenizer
+PAD, EOS, UNK, SEP, MASK, BOS = "<pad>", "</s>", "<unk>", "<sep>", "<mask>", "<s>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, SEP, MASK]  # ids 0..4 in a trained tokenizer of T5's layout
 TOKENIZER_FORMAT = "bpe-metaspace-bytefallback-v2"   # bump when the training recipe changes
 # Pieces for single bytes: a character the training texts lacked is written as its UTF-8 bytes
 # instead of <unk> (SentencePiece's byte fallback); ordinary pieces, not special tokens, so that
@@ -48,6 +53,34 @@ class TokenizerError(RuntimeError):
 # skip_special_tokens would drop it.
 TRAINED_SETTINGS = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK,
                     "additional_special_tokens": [SEP, MASK], "split_special_tokens": True}
+
+
+class Layout(NamedTuple):
+    """Where a trained tokenizer puts its special tokens, and the template it writes a text in."""
+
+    first: list[str]            # special tokens at ids 0, 1, ...
+    last: list[str]             # special tokens after every learned and byte piece
+    template: str | None        # `TemplateProcessing`'s single template; None: the text alone
+    settings: dict              # the wrapper's settings
+
+
+# model type of the model built here -> its trained tokenizer's layout
+_T5_LAYOUT = Layout(SPECIAL_TOKENS, [], None, TRAINED_SETTINGS)
+_BART_LAYOUT = Layout([BOS, PAD, EOS, UNK, SEP, MASK], [], f"{BOS} $A {EOS}",
+                      {**TRAINED_SETTINGS, "bos_token": BOS})
+LANGUAGE_CODE = "en_XX"   # mBART's code of the language its built-in texts are in
+LAYOUTS = {
+    "t5": _T5_LAYOUT,
+    "pegasus": _T5_LAYOUT,   # Pegasus's pad=0, eos=1, and the end token after a text, as T5's
+    "bart": _BART_LAYOUT,
+    "mbart": _BART_LAYOUT._replace(
+        first=[BOS, PAD, EOS, UNK, SEP, MASK, LANGUAGE_CODE], template=f"$A {EOS} {LANGUAGE_CODE}",
+        settings={**_BART_LAYOUT.settings,
+                  "additional_special_tokens": [SEP, MASK, LANGUAGE_CODE]}),
+    "marian": Layout([EOS, UNK, SEP, MASK], [PAD], None, TRAINED_SETTINGS),
+}
+
+
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                         "mask_token")
 
@@ -56,7 +89,7 @@ def _wrap(tokenizer: Tokenizer, settings: dict = TRAINED_SETTINGS) -> PreTrained
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **settings)
 
 
-def _train(texts: list[str], vocab_size: int) -> Tokenizer:
+def _train(texts: list[str], vocab_size: int, layout: Layout = _T5_LAYOUT) -> Tokenizer:
     # BPE, not T5's own Unigram: on a corpus with fewer distinct words than `vocab_size` (the
     # built-in data, small real samples) the Unigram trainer stopped at a few hundred pieces and cut
     # words into letters (3.85 tokens per keyphrase word), while BPE merges up to whole words
@@ -74,7 +107,7 @@ def _train(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                            decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=layout.first,
                                   show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # the trainer keeps no byte pieces: add them after the learned ones, and byte fallback with them
@@ -83,7 +116,27 @@ def _train(texts: list[str], vocab_size: int) -> Tokenizer:
     for piece in BYTE_PIECES:
         vocab.setdefault(piece, len(vocab))
     spec["model"]["byte_fallback"] = True
-    return Tokenizer.from_str(json.dumps(spec))
+    trained = Tokenizer.from_str(json.dumps(spec))
+    trained.add_special_tokens(layout.last)
+    if layout.template is not None:
+        specials = [(token, trained.token_to_id(token)) for token in layout.template.split()
+                    if token != "$A"]
+        trained.post_processor = processors.TemplateProcessing(single=layout.template,
+                                                               special_tokens=specials)
+    return trained
+
+
+def built_here(model) -> bool:
+    """Whether the configuration's model group (`model`) is built here from its sizes, with a
+    tokenizer trained here (`t5-tiny`, `bart-tiny`, ...), rather than loaded pretrained: it names
+    no `hub_id`."""
+    return "hub_id" not in model
+
+
+def built_type(model) -> str:
+    """The model type of a model built here (`model.type`; a configuration stored before other
+    families were built here has none: T5)."""
+    return model.get("type", "t5")
 
 
 def cache_folder(cache_dir: str | os.PathLike) -> Path:
@@ -93,24 +146,29 @@ def cache_folder(cache_dir: str | os.PathLike) -> Path:
     return usable_folder(cache_dir, "data.tokenizer_cache", TokenizerError)
 
 
-def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """A subword tokenizer for `texts`, trained once and then read from `cache_dir`."""
+def train_or_load(texts: Iterable[str], vocab_size: int, cache_dir: str | os.PathLike,
+                  model_type: str = "t5") -> PreTrainedTokenizerFast:
+    """A subword tokenizer for `texts` in the layout of `model_type`'s family (`LAYOUTS`), trained
+    once and then read from `cache_dir`."""
     texts = list(texts)
-    key = hashlib.sha256(f"{TOKENIZER_FORMAT}|{vocab_size}|".encode())
+    layout = LAYOUTS[model_type]
+    # T5's key is the one it always had: caches written before other layouts stay valid
+    named = "" if layout is _T5_LAYOUT else f"{'/'.join(layout.first + layout.last)}|{layout.template}|"
+    key = hashlib.sha256(f"{TOKENIZER_FORMAT}|{vocab_size}|{named}".encode())
     for text in texts:
         key.update(text.encode("utf-8", "replace"))
         key.update(b"\n")
     path = cache_folder(cache_dir) / f"tokenizer-{key.hexdigest()[:16]}.json"
     if path.exists():
         log.info("reusing cached tokenizer %s", path)
-        return _wrap(Tokenizer.from_file(str(path)))
+        return _wrap(Tokenizer.from_file(str(path)), layout.settings)
     log.info("training a %d-piece tokenizer on %d texts", vocab_size, len(texts))
-    tokenizer = _train(texts, vocab_size)
+    tokenizer = _train(texts, vocab_size, layout)
     # write to a temporary name, then rename: a crash never leaves a half-written cache entry
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
         tmp.write(tokenizer.to_str())
     os.replace(tmp.name, path)
-    return _wrap(tokenizer)
+    return _wrap(tokenizer, layout.settings)
 
 
 def serialize(tokenizer: PreTrainedTokenizerFast) -> tuple[str, dict]:

@@ -311,6 +311,8 @@ VALUE_RANGES: dict[str, Range] = {
     "model.num_decoder_layers": Range(ge=1),
     "model.dropout": Range(ge=0, lt=1, integer=False),
     "model.initializer_factor": Range(gt=0, integer=False),
+    "model.init_std": Range(gt=0, integer=False),
+    "model.max_positions": Range(ge=1),
     # Lightning's own limits, checked here so that a bad one fails before the data is read
     "trainer.max_epochs": Range(ge=-1, optional=True, note="-1: no limit"),
     "trainer.min_epochs": Range(ge=0, optional=True),
@@ -349,13 +351,36 @@ def _check_values(cfg: DictConfig) -> None:
     problem = _devices_problem(cfg.trainer.get("devices", "auto"))
     if problem is not None:
         raise ConfigError(problem)
-    problem = _position_heads_problem(cfg.model)
+    problem = _position_heads_problem(cfg.model) or _built_model_problem(cfg)
     if problem is not None:
         raise ConfigError(problem)
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     problem = decoder_class(cfg.decoder.name).options_problem(options)
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _built_model_problem(cfg: DictConfig) -> str | None:
+    """A model built here of a BART-like type (`model.type`): a type one is built as, heads that
+    split d_model evenly, and positions for the longest source and output."""
+    model = cfg.model
+    if "hub_id" in model or "type" not in model:
+        return None
+    from tasks.models import BUILT_CONFIGS
+    types = ("t5", *BUILT_CONFIGS)
+    if model.type not in types:
+        return f"model.type={model.type!r}; models are built here of these types: {', '.join(types)}"
+    if model.type == "t5":
+        return None
+    if model.d_model % model.num_heads:
+        return (f"model.d_model={model.d_model} is not split evenly by model.num_heads="
+                f"{model.num_heads}: a {model.type} head has d_model / num_heads dimensions")
+    longest = max(cfg.data.max_source_length, cfg.data.max_target_length)
+    if model.max_positions < longest:
+        return (f"model.max_positions={model.max_positions} is fewer than the longest source or "
+                f"output (data.max_source_length={cfg.data.max_source_length}, "
+                f"data.max_target_length={cfg.data.max_target_length}); set it to at least {longest}")
+    return None
 
 
 def _position_heads_problem(model: DictConfig) -> str | None:

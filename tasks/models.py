@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel, T5Config, T5ForConditionalGeneration
+from transformers import (AutoConfig, AutoModelForSeq2SeqLM, BartConfig, MarianConfig, MBartConfig,
+                          PegasusConfig, PretrainedConfig, PreTrainedModel, T5Config,
+                          T5ForConditionalGeneration)
 
-from datamodules.tokenizer import pretrained_files
+from datamodules.tokenizer import built_here, built_type, pretrained_files
 from decoders.families import family_of, running_model_types
 from decoders.transformers_internals import (bias_owner, relative_position_buckets,
                                              set_attention_implementation)
@@ -26,7 +28,7 @@ def check_pretrained_model_type(model: DictConfig) -> None:
     """Refuse (ModelError), before any data is read or any weight loaded, a pretrained model
     (`model.hub_id`) of a type no family of the decoders runs (`decoders.families`). Only its
     configuration is read."""
-    if model.name == "t5-tiny":
+    if built_here(model):
         return
     with pretrained_files(model.hub_id, "the configuration of", ModelError) as name:
         config = AutoConfig.from_pretrained(name)
@@ -43,7 +45,11 @@ def build_backbone(model: DictConfig, tokenizer, stored_config: dict | None = No
     from that checkpoint: a pretrained one is then built from it, without its folder or the hub."""
     # `model.attn_implementation` (sdpa by default, as in transformers: fused kernels on GPUs, or
     # eager): the decoders' own attention structures hold under both (decoders.backbone.run_decoder).
-    if model.name == "t5-tiny":  # its architecture is the configuration's
+    if built_here(model) and built_type(model) != "t5":
+        config = built_config(model, tokenizer)
+        set_attention_implementation(config, model.attn_implementation)
+        return AutoModelForSeq2SeqLM.from_config(config)
+    if built_here(model):  # its architecture is the configuration's
         config = T5Config(vocab_size=len(tokenizer), d_model=model.d_model, d_ff=model.d_ff,
                           d_kv=model.d_kv, num_heads=model.num_heads, num_layers=model.num_layers,
                           num_decoder_layers=model.num_decoder_layers, dropout_rate=model.dropout,
@@ -78,6 +84,27 @@ def build_backbone(model: DictConfig, tokenizer, stored_config: dict | None = No
     if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
         backbone.resize_token_embeddings(len(tokenizer))  # room for <sep> and <mask>
     return backbone
+
+
+# The configurations of the BART-like types built here, and the token each starts its decoder with
+# (transformers' conventions: BART's and mBART's is the end token, Pegasus's and Marian's the pad).
+BUILT_CONFIGS = {"bart": (BartConfig, "eos"), "mbart": (MBartConfig, "eos"),
+                 "pegasus": (PegasusConfig, "pad"), "marian": (MarianConfig, "pad")}
+
+
+def built_config(model: DictConfig, tokenizer) -> PretrainedConfig:
+    """The configuration of a BART-like model built here (`model.type`) at `model`'s sizes, for
+    `tokenizer`'s special tokens; every decode-time extra of `generate` left unset."""
+    config_class, start = BUILT_CONFIGS[built_type(model)]
+    ids = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
+    return config_class(
+        vocab_size=len(tokenizer), d_model=model.d_model, encoder_layers=model.num_layers,
+        decoder_layers=model.num_decoder_layers, encoder_attention_heads=model.num_heads,
+        decoder_attention_heads=model.num_heads, encoder_ffn_dim=model.d_ff,
+        decoder_ffn_dim=model.d_ff, max_position_embeddings=model.max_positions,
+        dropout=model.dropout, init_std=float(model.init_std), pad_token_id=ids["pad"],
+        eos_token_id=ids["eos"], bos_token_id=tokenizer.bos_token_id,
+        decoder_start_token_id=ids[start], forced_eos_token_id=None)
 
 
 def start_position_heads(backbone: T5ForConditionalGeneration, encoder: list[int],

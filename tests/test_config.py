@@ -46,7 +46,8 @@ def test_trainer_accepts_any_trainer_argument():
     (["trainer.max_epochs=abc"], "trainer.max_epochs='abc' has type str, but trainer.max_epochs takes int"),
     (["train.lr=fast"], "train.lr='fast' has type str"),
     (["trainer.enable_progress_bar=3"], "takes bool"),
-    (["model=t5-huge"], "unknown model 't5-huge'; allowed: t5-base, t5-large, t5-small, t5-tiny"),
+    (["model=t5-huge"], "unknown model 't5-huge'; allowed: bart-tiny, marian-tiny, mbart-tiny, "
+                        "pegasus-tiny, t5-base, t5-large, t5-small, t5-tiny"),
     (["data=nowhere"], "unknown data 'nowhere'; allowed: builtin"),
     (["decoder=nope"], "unknown decoder 'nope'; allowed: "),
     (["data=jsonl"], "required key(s) not set: data.path"),

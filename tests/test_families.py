@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from mlflow.tracking import MlflowClient
 from transformers import AutoModelForSeq2SeqLM
 
 from decoders import build_decoder
 from decoders.backbone import decoder_inputs, run_decoder, sizes
 from decoders.families import family_of
 from decoders.loop import through_end
+from tasks import test as test_entry
 from tasks.comparison.timing import PLAIN_GREEDY, TransformersGenerate
+from tasks.config import ConfigError, compose
 from tasks.predictor import Predictor
+from tasks.runs.trainer import build
+from tests.conftest import save_checkpoint
+from tests.test_end_to_end import run_artifact_rows, tracking
 from tests.families import (FAMILY_TYPES, FIRST_ORDINARY, family_batch, family_special,
                             family_tokenizer, tiny_family_model)
 from tests.test_pretrained import no_hub  # noqa: F401  (a fixture)
@@ -214,3 +219,52 @@ def test_a_save_pretrained_folder_of_every_family_predicts_its_greedy_output(mod
     written = [through_end(row, special.eos)[:-1] if special.eos in row else row for row in out]
     expected = [[tokenizer.decode(row, skip_special_tokens=True)] if row else [] for row in written]
     assert predicted == expected
+
+
+# A model built here of a few dozen built-in examples: tiny sizes, one epoch.
+BUILT_TINY = ["data.train_size=32", "data.validation_size=8", "data.test_size=8", "model.d_model=32",
+              "model.d_ff=64", "model.num_heads=2", "model.vocab_size=300",
+              "data.max_target_length=40", "train.batch_size=8", "trainer.max_epochs=1",
+              "trainer.enable_progress_bar=false"]
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_a_model_built_here_has_its_familys_layout_and_restores_from_its_checkpoint(model_type,
+                                                                                  tmp_path):
+    """`model=<type>-tiny`: a random model of that type and a tokenizer trained in its family's
+    layout (BART's <s> ... </s>, mBART's language code after the end token, Marian's pad as the
+    last id, which starts its decoder); its checkpoint is decoded by `tasks.test` from the
+    checkpoint alone, sequential and lookup alike."""
+    cfg = compose("keyphrase", "sequential", None, [f"model={model_type}-tiny", *BUILT_TINY,
+                                                     *tracking(tmp_path)])
+    built = build(cfg)
+    backbone, tokenizer = built.module.backbone, built.module.tokenizer
+    assert backbone.config.model_type == model_type
+    source = built.datamodule.dataset("train").examples[0].source_ids
+    vocabulary = tokenizer.get_vocab()
+    expected_ends = {"bart": (["<s>"], ["</s>"]), "mbart": ([], ["</s>", "en_XX"]),
+                     "pegasus": ([], ["</s>"]), "marian": ([], ["</s>"])}[model_type]
+    assert source[: len(expected_ends[0])] == [vocabulary[t] for t in expected_ends[0]]
+    assert source[len(source) - len(expected_ends[1]):] == [vocabulary[t] for t in expected_ends[1]]
+    start = {"bart": "</s>", "mbart": "</s>", "pegasus": "<pad>", "marian": "<pad>"}[model_type]
+    assert built.module.decoder.special.start == vocabulary[start]
+    if model_type == "marian":
+        assert tokenizer.pad_token_id == len(tokenizer) - 1
+    path = save_checkpoint(built.module, tmp_path / "sequential.ckpt")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    predicted = []
+    for name, options in (("sequential", []), ("lookup", ["decoder=lookup"])):
+        run = test_entry.main(["--ckpt", path, *options, *tracking(tmp_path)])
+        predicted.append([row["prediction"]
+                          for row in run_artifact_rows(client, run["run_id"], tmp_path / name)])
+    assert predicted[0] == predicted[1] and len(predicted[0]) == 8
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("model.type", "umt5", r"model.type='umt5'; models are built here of these types: t5, bart"),
+    ("model.num_heads", 3, r"model.d_model=128 is not split evenly by model.num_heads=3"),
+    ("model.max_positions", 64, r"model.max_positions=64 is fewer than the longest source"),
+])
+def test_a_bad_built_model_is_refused_before_any_work(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        compose("keyphrase", "sequential", None, ["model=bart-tiny", f"{key}={value}"])

@@ -119,7 +119,8 @@ def is_model_key(key: str) -> bool:
     """Whether a configuration key says which model a checkpoint holds: the `model.` keys, but for
     dropout and the random init's (its scale, its position heads), which neither shape nor fill
     loaded weights."""
-    return (key.startswith("model.") and key not in ("model.dropout", "model.initializer_factor")
+    return (key.startswith("model.") and key not in ("model.dropout", "model.initializer_factor",
+                                                      "model.init_std")
             and not key.startswith("model.position_heads."))
 
 
