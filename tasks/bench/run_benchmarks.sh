@@ -9,6 +9,8 @@
 #                                                # sequential model, aggressive drafting with the nar one
 #   tasks/bench/run_benchmarks.sh summarization      # the same on built-in summarization
 #   tasks/bench/run_benchmarks.sh qa                 # the same on built-in multi-span QA
+#   tasks/bench/run_benchmarks.sh family TASK TYPE   # the same on built-in TASK with a model of another
+#                                                # family built here: TYPE = bart, mbart, pegasus, marian
 #   tasks/bench/run_benchmarks.sh kp20k              # all four decoders trained on $DATA/kp20k
 #   tasks/bench/run_benchmarks.sh cnndm-calls        # decoder calls the cnndm test references need (no training)
 #   tasks/bench/run_benchmarks.sh cnndm-baselines    # ROUGE of the summarization baselines on cnndm (no training)
@@ -63,6 +65,9 @@ case "${1:-}" in
     keyphrase | summarization | qa)  # every decoder on the task's built-in data, at its default budget
         python -m tasks.compare --task "$1" --decoders sequential,pipelined,blockwise,nar,lookup,aggressive \
             $SPEED --out "results/builtin_$1.json" ;;
+    family)  # TASK TYPE: every decoder on built-in TASK with model=TYPE-tiny, at the task's budget
+        python -m tasks.compare --task "$2" --decoders sequential,pipelined,blockwise,nar,lookup,aggressive \
+            "model=$3-tiny" $SPEED --out "results/builtin_$2_$3.json" ;;
     kp20k)
         python -m tasks.compare --task keyphrase --decoders sequential,pipelined,blockwise,nar $SWEEP \
             $SPEED data=jsonl data.path="$DATA/kp20k" data.max_eval_examples=200 \
@@ -147,6 +152,6 @@ case "${1:-}" in
             --repeats 1 --threads ${THREADS:-2} eval.batch_size=16 trainer.enable_progress_bar=false \
             data=jsonl data.path="$DATA/multispanqa" --out multispanqa_fit.json ;;
     *)
-        echo "usage: $0 keyphrase | summarization | qa | kp20k | cnndm-calls | cnndm-baselines | cnndm | pretrain | kp20k-pretrained C | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P | drafts NAME TASK S P B N [key=value ...] | multispanqa-fit" >&2
+        echo "usage: $0 keyphrase | summarization | qa | family TASK TYPE | kp20k | cnndm-calls | cnndm-baselines | cnndm | pretrain | kp20k-pretrained C | delay-sweep TASK [S] | delay2 S | blockwise-frozen S | nar-distilled S | onestep TASK S | prototokens TASK S | stop-rule TASK S P | drafts NAME TASK S P B N [key=value ...] | multispanqa-fit" >&2
         exit 2 ;;
 esac
