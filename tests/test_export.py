@@ -17,16 +17,23 @@ from tasks.runs.restore import checkpoint_config, restore_module
 from tasks.runs.trainer import build
 from tests.conftest import default_dtype, save_checkpoint
 from tests.test_end_to_end import TINY, tracking
+from tests.test_families import BUILT_TINY
 from tests.test_predict import saved
 
 pytestmark = pytest.mark.numerics
 
 
-def ending_checkpoint(folder: Path, decoder: str, texts: list[str]) -> str:
-    """A keyphrase module with `decoder`, saved untrained, whose sequential outputs of `texts` end
-    at different lengths: the end token's output row is made a near copy of the row of the token
-    its outputs repeat most (as tests.conftest.tiny_t5 does)."""
-    module = build(compose("keyphrase", decoder, None, [*TINY, "model.initializer_factor=6",
+# the model built here of each family, with its overrides for a few dozen examples and a wide init
+MODELS = {"t5-tiny": [*TINY, "model.initializer_factor=6"],
+          **{f"{family}-tiny": [f"model={family}-tiny", *BUILT_TINY, "model.init_std=0.5"]
+             for family in ("bart", "mbart", "pegasus", "marian")}}
+
+
+def ending_checkpoint(folder: Path, decoder: str, texts: list[str], model: str = "t5-tiny") -> str:
+    """A keyphrase module with `decoder` and `model`, saved untrained, whose sequential outputs of
+    `texts` end at different lengths: the end token's output row is made a near copy of the row of
+    the token its outputs repeat most (as tests.conftest.tiny_t5 does)."""
+    module = build(compose("keyphrase", decoder, None, [*MODELS[model],
                                                        *tracking(folder)])).module.eval()
     special = module.decoder.special
     batch = module.tokenizer(texts, return_tensors="pt", padding=True)
@@ -40,10 +47,11 @@ def ending_checkpoint(folder: Path, decoder: str, texts: list[str]) -> str:
     return save_checkpoint(module, folder / "model.ckpt")
 
 
-@pytest.mark.parametrize("decoder", ["sequential", "blockwise"])
-def test_an_exported_model_generates_the_sequential_decoders_tokens(decoder, tmp_path):
+@pytest.mark.parametrize("decoder, model", [("sequential", "t5-tiny"), ("blockwise", "t5-tiny"),
+                                            *[("sequential", model) for model in list(MODELS)[1:]]])
+def test_an_exported_model_generates_the_sequential_decoders_tokens(decoder, model, tmp_path):
     texts = [record["title"] for record in saved(tmp_path / "data", "keyphrase").records[:6]]
-    path = ending_checkpoint(tmp_path, decoder, texts)
+    path = ending_checkpoint(tmp_path, decoder, texts, model)
     out = export_entry.main(["--ckpt", path, "--out", str(tmp_path / "exported")])
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         path.name for path in out.iterdir()}
