@@ -351,7 +351,7 @@ def _check_values(cfg: DictConfig) -> None:
     problem = _devices_problem(cfg.trainer.get("devices", "auto"))
     if problem is not None:
         raise ConfigError(problem)
-    problem = _position_heads_problem(cfg.model) or _built_model_problem(cfg)
+    problem = _position_heads_problem(cfg.model) or _model_problem(cfg)
     if problem is not None:
         raise ConfigError(problem)
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
@@ -360,10 +360,14 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(problem)
 
 
-def _built_model_problem(cfg: DictConfig) -> str | None:
-    """A model built here of a BART-like type (`model.type`): a type one is built as, heads that
-    split d_model evenly, and positions for the longest source and output."""
+def _model_problem(cfg: DictConfig) -> str | None:
+    """A pretrained model needs a folder or hub id; a model built here of a BART-like type
+    (`model.type`) a type one is built as, heads that split d_model evenly, and positions for the
+    longest source and output."""
     model = cfg.model
+    if "hub_id" in model and model.hub_id is None:
+        return (f"model={model.name} needs model.hub_id: a folder that save_pretrained wrote or a "
+                f"hub id")
     if "hub_id" in model or "type" not in model:
         return None
     from tasks.models import BUILT_CONFIGS

@@ -131,7 +131,7 @@ class Predictor:
         (`decoder.max_new_tokens=128`) or `data.max_source_length`.
         """
         options = predictor_overrides(None, None, batch_size, device, precision)
-        cfg = compose(task, decoder, config_file, ["model=t5-small", f"model.hub_id={model}",
+        cfg = compose(task, decoder, config_file, ["model=pretrained", f"model.hub_id={model}",
                                                    *overrides, *options])
         allowed = decoders_without_training()
         if cfg.decoder.name not in allowed:

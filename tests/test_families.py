@@ -13,7 +13,7 @@ from decoders import build_decoder
 from decoders.backbone import decoder_inputs, run_decoder, sizes
 from decoders.families import family_of
 from decoders.loop import through_end
-from tasks import test as test_entry
+from tasks import fit, test as test_entry
 from tasks.comparison.timing import PLAIN_GREEDY, TransformersGenerate
 from tasks.config import ConfigError, compose
 from tasks.predictor import Predictor
@@ -268,3 +268,30 @@ def test_a_model_built_here_has_its_familys_layout_and_restores_from_its_checkpo
 def test_a_bad_built_model_is_refused_before_any_work(key, value, message):
     with pytest.raises(ConfigError, match=message):
         compose("keyphrase", "sequential", None, ["model=bart-tiny", f"{key}={value}"])
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_a_pretrained_folder_of_every_family_fine_tunes_with_any_decoder(model_type, tmp_path,
+                                                                        no_hub):
+    """`model=pretrained model.hub_id=DIR`: a family's `save_pretrained` folder is fine-tuned with
+    the pipelined decoder, and its checkpoint decodes without the folder."""
+    folder = tmp_path / model_type
+    tiny_family_model(model_type).save_pretrained(folder)
+    family_tokenizer(model_type).save_pretrained(folder)
+    overrides = ["model=pretrained", f"model.hub_id={folder}", "data.train_size=16",
+                 "data.validation_size=4", "data.test_size=4", "train.batch_size=8",
+                 "trainer.max_epochs=1", "trainer.enable_progress_bar=false", *tracking(tmp_path)]
+    fitted = fit.main(["--task", "keyphrase", "--decoder", "pipelined", *overrides])
+    checkpoint = fitted["checkpoint"]
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    tested = test_entry.main(["--ckpt", checkpoint, *tracking(tmp_path)])
+    timed = ("examples_per_second", "decode_seconds")
+    assert ({k: v for k, v in tested["scores"].items() if k not in timed}
+            == {k: v for k, v in fitted["scores"].items() if k not in timed})
+
+
+def test_a_pretrained_model_without_a_folder_or_hub_id_is_refused():
+    with pytest.raises(ConfigError, match=r"model=pretrained needs model.hub_id"):
+        compose("keyphrase", "sequential", None, ["model=pretrained"])
