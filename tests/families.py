@@ -1,11 +1,12 @@
-"""Tiny random models of every family the decoders run beside T5 (BART, mBART, Pegasus, Marian),
-whose greedy outputs vary and end at different steps, with their special tokens."""
+"""Tiny random models of every type the decoders run beside T5 and mT5 (BART, mBART, Pegasus,
+Marian; LongT5, which `conftest.tiny_t5`'s T5 does not cover), whose greedy outputs vary and end at
+different steps, with their special tokens and tokenizers."""
 from __future__ import annotations
 
 import torch
-from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel,
-                          MBartConfig, MBartForConditionalGeneration, PegasusConfig,
-                          PegasusForConditionalGeneration)
+from transformers import (BartConfig, BartForConditionalGeneration, LongT5Config,
+                          LongT5ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
+                          MBartForConditionalGeneration, PegasusConfig, PegasusForConditionalGeneration)
 
 from datamodules.vocabulary import SpecialTokens
 from decoders.transformers_internals import set_attention_implementation
@@ -17,8 +18,10 @@ FAMILIES = {
     "mbart": (MBartConfig, MBartForConditionalGeneration, (1, 2, 2)),
     "pegasus": (PegasusConfig, PegasusForConditionalGeneration, (0, 1, 0)),
     "marian": (MarianConfig, MarianMTModel, (VOCAB - 1, 0, VOCAB - 1)),   # pad: the last id
+    "longt5": (LongT5Config, LongT5ForConditionalGeneration, (0, 1, 0)),
 }
 FAMILY_TYPES = tuple(FAMILIES)
+BART_LIKE = ("bart", "mbart", "pegasus", "marian")   # absolute positions, and built here as <type>-tiny
 # above every special id of every family, below Marian's pad
 FIRST_ORDINARY, LAST_ORDINARY = 5, VOCAB - 2
 
@@ -35,12 +38,19 @@ def tiny_family_model(model_type: str, seed: int = 1, implementation: str = "eag
     after a few, differing steps."""
     config_class, model_class, (pad, eos, start) = FAMILIES[model_type]
     torch.manual_seed(seed)
-    config = config_class(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
-                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                          decoder_ffn_dim=64, max_position_embeddings=128, dropout=0.0,
-                          attention_dropout=0.0, activation_dropout=0.0, init_std=2.0,
-                          pad_token_id=pad, eos_token_id=eos, bos_token_id=None if model_type == "marian" else 0,
-                          decoder_start_token_id=start, forced_eos_token_id=eos, **overrides)
+    if model_type == "longt5":   # T5's names of the sizes and of the init's spread
+        config = config_class(vocab_size=VOCAB, d_model=64, d_ff=64, d_kv=16, num_heads=4,
+                              num_layers=2, num_decoder_layers=2, dropout_rate=0.0,
+                              initializer_factor=4.0, pad_token_id=pad, eos_token_id=eos,
+                              decoder_start_token_id=start, **overrides)
+    else:
+        config = config_class(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                              encoder_attention_heads=4, decoder_attention_heads=4,
+                              encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                              init_std=2.0, pad_token_id=pad, eos_token_id=eos,
+                              bos_token_id=None if model_type == "marian" else 0,
+                              decoder_start_token_id=start, forced_eos_token_id=eos, **overrides)
     set_attention_implementation(config, implementation)
     model = model_class(config).eval()
     input_ids, attention_mask = family_batch(model_type, 6, seed=seed)
@@ -73,6 +83,7 @@ TOKENIZER_LAYOUTS = {
               "$A </s> en_XX"),
     "pegasus": ({0: "<pad>", 1: "</s>", 2: "<mask>", 3: "<unk>", 4: "<mask_1>"}, "$A </s>"),
     "marian": ({0: "</s>", 1: "<unk>", VOCAB - 1: "<pad>"}, "$A </s>"),
+    "longt5": ({0: "<pad>", 1: "</s>", 2: "<unk>"}, "$A </s>"),
 }
 
 

@@ -149,7 +149,7 @@ def test_a_model_of_a_type_the_decoders_do_not_run_is_refused_before_any_work(tm
     folder = tiny_umt5_folder(tmp_path / "umt5")
     monkeypatch.setattr(tok, "load_pretrained", lambda *_: pytest.fail("the tokenizer was read"))
     expected = r"model.hub_id='.*umt5' is a 'umt5' model \(UMT5ForConditionalGeneration\); the " \
-               r"decoders run these model types: t5, mt5, bart, mbart, pegasus, marian"
+               r"decoders run these model types: t5, mt5, longt5, bart, mbart, pegasus, marian"
     with pytest.raises(ModelError, match=expected):
         Predictor.from_pretrained(str(folder), task="summarization")
     monkeypatch.setattr(trainer, "build", lambda *_, **__: pytest.fail("data was read"))

@@ -1,4 +1,4 @@
-"""T5 and its kin (T5 v1.1 and Flan-T5, mT5, LongT5's layout aside): relative-position buckets of
+"""T5 and its kin (T5 v1.1 and Flan-T5, mT5, LongT5, whose encoder differs and decoder does not): relative-position buckets of
 learned biases, shared by the stack's layers, no absolute positions; norm before each sublayer;
 unscaled dot-product attention; with tied embeddings the final states scaled by d_model ** -0.5."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from decoders.transformers_internals import bias_owner, relative_position_bucket
 
 @register_family
 class T5Family(Family):
-    model_types = ("t5", "mt5")
+    model_types = ("t5", "mt5", "longt5")   # LongT5: its own encoder, T5's decoder
     dropout_setting = "dropout_rate"
     encoder_settings = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
                         "relative_attention_num_buckets", "relative_attention_max_distance",
