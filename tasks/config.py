@@ -5,7 +5,8 @@ Composition order (later wins):
 
 A group is chosen with `group=name` (`model=t5-base`, `data=kp20k`), with `--task/--decoder` on the
 command line, or through the key that names it (`task.name`, `decoder.name`, `model.name`,
-`data.source`). A single key is set with `group.key=value`. Everything is checked before any work:
+`data.source`); a model is also chosen by its folder or hub id (`model=DIR`, `model.name=owner/name`:
+`model=pretrained` with that `model.hub_id`). A single key is set with `group.key=value`. Everything is checked before any work:
 unknown group names, unknown keys, values of the wrong type and values out of range (`VALUE_RANGES`,
 each decoder's declared `options`, `trainer.devices`) raise `ConfigError` naming the key or value and
 what is allowed.
@@ -86,7 +87,8 @@ def _decoder_group(name: str) -> DictConfig:
 def _group_config(group: str, choice: str) -> DictConfig:
     allowed = group_choices(group)
     if choice not in allowed:
-        raise ConfigError(f"unknown {group} {choice!r}; allowed: {', '.join(allowed)}")
+        also = ", or a save_pretrained folder or hub id (a name with a '/')" if group == "model" else ""
+        raise ConfigError(f"unknown {group} {choice!r}; allowed: {', '.join(allowed)}{also}")
     if group == "decoder":
         return _decoder_group(choice)
     return _load_yaml(CONFIG_DIR / group / f"{choice}.yaml")
@@ -103,6 +105,9 @@ def _parse_dotlist(overrides: Iterable[str]) -> tuple[dict[str, str], DictConfig
         group, _, subkey = key.partition(".")
         if key in GROUPS or GROUPS.get(group) == subkey:
             choices[group] = value
+            if group == "model" and "/" in value:   # a folder or a hub id: the pretrained group's
+                choices[group] = "pretrained"
+                settings.append(f"model.hub_id={value}")
         else:
             settings.append(item)
     try:

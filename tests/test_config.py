@@ -47,7 +47,8 @@ def test_trainer_accepts_any_trainer_argument():
     (["train.lr=fast"], "train.lr='fast' has type str"),
     (["trainer.enable_progress_bar=3"], "takes bool"),
     (["model=t5-huge"], "unknown model 't5-huge'; allowed: bart-tiny, marian-tiny, mbart-tiny, "
-                        "pegasus-tiny, t5-base, t5-large, t5-small, t5-tiny"),
+                        "pegasus-tiny, pretrained, t5-base, t5-large, t5-small, t5-tiny, or a "
+                        "save_pretrained folder or hub id (a name with a '/')"),
     (["data=nowhere"], "unknown data 'nowhere'; allowed: builtin"),
     (["decoder=nope"], "unknown decoder 'nope'; allowed: "),
     (["data=jsonl"], "required key(s) not set: data.path"),

@@ -296,3 +296,9 @@ def test_a_pretrained_folder_of_every_family_fine_tunes_with_any_decoder(model_t
 def test_a_pretrained_model_without_a_folder_or_hub_id_is_refused():
     with pytest.raises(ConfigError, match=r"model=pretrained needs model.hub_id"):
         compose("keyphrase", "sequential", None, ["model=pretrained"])
+
+
+@pytest.mark.parametrize("choice", ["model=/data/bart-base", "model.name=facebook/bart-base"])
+def test_a_model_is_chosen_by_its_folder_or_hub_id(choice):
+    model = compose("summarization", "pipelined", None, [choice]).model
+    assert (model.name, model.hub_id) == ("pretrained", choice.split("=")[1])
