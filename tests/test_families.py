@@ -148,6 +148,28 @@ def test_pipelined_equals_its_plain_reference(model_type, delay, monkeypatch):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_pipelined_trained_equals_its_plain_reference(model_type, monkeypatch):
+    """Briefly trained on its own layout (a toy task: the source in chunks of three), so that its
+    outputs are a trained model's, pipelined still equals its plain reference."""
+    model = tiny_family_model(model_type).train()
+    decoder = decoder_for("pipelined", model, delay=1, max_subsequences=3,
+                          max_subsequence_length=5, max_steps=20)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(30):
+        input_ids, attention_mask = family_batch(model_type, 8, max_len=9, seed=100 + step)
+        targets = [[row[i: i + 3] for i in range(0, n - 1, 3)]
+                   for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist())]
+        loss = decoder.loss(model, input_ids, attention_mask, decoder.layout(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    input_ids, attention_mask = family_batch(model_type, 4, max_len=9, seed=9)
+    out = assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
+    assert max(len(subsequences) for subsequences in out.subsequences) >= 2
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_pipelineds_first_subsequence_is_greedy_decoding(model_type):
     """Subsequence 0 sees only itself, at positions 0, 1, ...: on an untrained model it writes the
     greedy tokens up to the first end token (or its length bound)."""
