@@ -29,12 +29,15 @@ class Slots(NamedTuple):
 class DecoderCache:
     """Per decoder layer: the self-attention keys and values, (B, heads, slots, d_kv) each, and the
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop
-    whose rows write at their own slots: it grows by doubling up to it."""
+    whose rows write at their own slots: it grows by doubling up to it. A family whose layers read
+    the positions of the keys they attend to (UMT5) keeps them too, (B or 1, slots)
+    (`write_positions`)."""
 
     def __init__(self, layers: int, most_slots: int | None = None):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.encoder_keys_values: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+        self.positions: torch.Tensor | None = None
         self.most_slots = most_slots
 
     def held(self) -> int:
@@ -66,6 +69,26 @@ class DecoderCache:
         stored_values[slots.rows, :, slots.each] = values.transpose(1, 2)
         return stored_keys.narrow(2, 0, slots.width), stored_values.narrow(2, 0, slots.width)
 
+    def write_positions(self, slots: Slots, positions: torch.Tensor) -> torch.Tensor:
+        """Write a call's fed tokens' positions (B or 1, Q) at `slots`, as `write` writes their
+        keys; returns the positions of the keys the call attends to."""
+        stored = self.positions
+        if slots.start is not None:
+            if stored is not None:
+                stored = stored.narrow(1, 0, min(slots.start, stored.size(1)))
+                rows = max(stored.size(0), positions.size(0))
+                positions = torch.cat([stored.expand(rows, -1), positions.expand(rows, -1)], dim=1)
+            self.positions = positions
+            return positions
+        rows = slots.rows.size(0)
+        if stored is None or stored.size(1) < slots.width or stored.size(0) != rows:
+            grown = positions.new_zeros(rows, min(self.most_slots, 2 * slots.width))
+            if stored is not None:
+                grown[:, : stored.size(1)] = stored
+            stored = self.positions = grown
+        stored[slots.rows, slots.each] = positions
+        return stored.narrow(1, 0, slots.width)
+
     def encoder_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Decoder layer `layer`'s keys and values of the encoder's states, once computed."""
         return self.encoder_keys_values[layer]
@@ -80,6 +103,8 @@ class DecoderCache:
         self.values = [None if t is None else t[keep, ...] for t in self.values]
         self.encoder_keys_values = [None if pair is None else (pair[0][keep, ...], pair[1][keep, ...])
                                     for pair in self.encoder_keys_values]
+        if self.positions is not None and self.positions.size(0) > 1:
+            self.positions = self.positions[keep]
 
     def gather_slots(self, order: torch.Tensor) -> None:
         """Keep, for each row b, the self-attention slots `order[b]` ((live, K') longs), in that
@@ -89,6 +114,8 @@ class DecoderCache:
         index = order[:, None, :, None].expand(-1, first.size(1), -1, first.size(-1))
         self.keys = [t.gather(2, index) for t in self.keys]
         self.values = [t.gather(2, index) for t in self.values]
+        if self.positions is not None:
+            self.positions = self.positions.expand(len(order), -1).gather(1, order)
 
 
 def _grown(like: torch.Tensor, buffer: torch.Tensor | None, slots: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ one, and the GPU tests ran on 5.17):
 from __future__ import annotations
 
 import torch
+from transformers.models.t5.modeling_t5 import T5Attention
 
 
 def bias_owner(stack):
@@ -28,9 +29,10 @@ def bias_owner(stack):
 
 def relative_position_buckets(attention, relative_position: torch.Tensor,
                               bidirectional: bool) -> torch.Tensor:
-    """T5's bucket of each relative position (key - query), as `attention` (a T5Attention that
-    owns a bias table) buckets them."""
-    return attention._relative_position_bucket(
+    """T5's bucket of each relative position (key - query), with the bucket count and distance of
+    `attention` (a T5 or UMT5 attention that owns a bias table; UMT5's own bucketing method reads
+    the direction from the stack, so T5's is called)."""
+    return T5Attention._relative_position_bucket(
         relative_position, bidirectional=bidirectional,
         num_buckets=attention.relative_attention_num_buckets,
         max_distance=attention.relative_attention_max_distance)

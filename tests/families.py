@@ -1,12 +1,13 @@
 """Tiny random models of every type the decoders run beside T5 and mT5 (BART, mBART, Pegasus,
-Marian; LongT5, which `conftest.tiny_t5`'s T5 does not cover), whose greedy outputs vary and end at
+Marian; LongT5 and UMT5, which `conftest.tiny_t5`'s T5 does not cover), whose greedy outputs vary and end at
 different steps, with their special tokens and tokenizers."""
 from __future__ import annotations
 
 import torch
 from transformers import (BartConfig, BartForConditionalGeneration, LongT5Config,
                           LongT5ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
-                          MBartForConditionalGeneration, PegasusConfig, PegasusForConditionalGeneration)
+                          MBartForConditionalGeneration, PegasusConfig, PegasusForConditionalGeneration,
+                          UMT5Config, UMT5ForConditionalGeneration)
 
 from datamodules.vocabulary import SpecialTokens
 from decoders.transformers_internals import set_attention_implementation
@@ -19,6 +20,7 @@ FAMILIES = {
     "pegasus": (PegasusConfig, PegasusForConditionalGeneration, (0, 1, 0)),
     "marian": (MarianConfig, MarianMTModel, (VOCAB - 1, 0, VOCAB - 1)),   # pad: the last id
     "longt5": (LongT5Config, LongT5ForConditionalGeneration, (0, 1, 0)),
+    "umt5": (UMT5Config, UMT5ForConditionalGeneration, (0, 1, 0)),
 }
 FAMILY_TYPES = tuple(FAMILIES)
 BART_LIKE = ("bart", "mbart", "pegasus", "marian")   # absolute positions, and built here as <type>-tiny
@@ -38,7 +40,7 @@ def tiny_family_model(model_type: str, seed: int = 1, implementation: str = "eag
     after a few, differing steps."""
     config_class, model_class, (pad, eos, start) = FAMILIES[model_type]
     torch.manual_seed(seed)
-    if model_type == "longt5":   # T5's names of the sizes and of the init's spread
+    if model_type in ("longt5", "umt5"):   # T5's names of the sizes and of the init's spread
         config = config_class(vocab_size=VOCAB, d_model=64, d_ff=64, d_kv=16, num_heads=4,
                               num_layers=2, num_decoder_layers=2, dropout_rate=0.0,
                               initializer_factor=4.0, pad_token_id=pad, eos_token_id=eos,
@@ -84,6 +86,7 @@ TOKENIZER_LAYOUTS = {
     "pegasus": ({0: "<pad>", 1: "</s>", 2: "<mask>", 3: "<unk>", 4: "<mask_1>"}, "$A </s>"),
     "marian": ({0: "</s>", 1: "<unk>", VOCAB - 1: "<pad>"}, "$A </s>"),
     "longt5": ({0: "<pad>", 1: "</s>", 2: "<unk>"}, "$A </s>"),
+    "umt5": ({0: "<pad>", 1: "</s>", 2: "<unk>"}, "$A </s>"),
 }
 
 

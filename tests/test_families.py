@@ -1,4 +1,4 @@
-"""Every decoder on every type beside T5 and mT5 (BART, mBART, Pegasus, Marian, LongT5), through the
+"""Every decoder on every type beside T5 and mT5 (BART, mBART, Pegasus, Marian, LongT5, UMT5), through the
 one backbone interface (`decoders.families`): the lossless decoders give transformers' greedy `generate` tokens,
 batched with padding, in float64; pipelined equals its plain reference and its first subsequence
 is greedy decoding; nar and onestep train and decode."""
@@ -74,7 +74,7 @@ def test_lossless_decoders_give_generates_greedy_tokens(model_type, name):
     assert out.bound_hit == expected.bound_hit
 
 
-@pytest.mark.parametrize("model_type", BART_LIKE)   # transformers runs LongT5 eager only
+@pytest.mark.parametrize("model_type", (*BART_LIKE, "umt5"))   # transformers runs LongT5 eager only
 def test_sdpa_gives_eagers_tokens(model_type):
     eager = tiny_family_model(model_type)
     sdpa = tiny_family_model(model_type, implementation="sdpa")
@@ -124,7 +124,7 @@ def test_the_sequential_loss_is_the_models_own(model_type):
     assert decoder_inputs(model, labels)[:, 0].eq(special.start).all()
 
 
-@pytest.mark.parametrize("model_type", BART_LIKE)
+@pytest.mark.parametrize("model_type", (*BART_LIKE, "umt5"))
 def test_a_call_without_positions_is_refused(model_type):
     model = tiny_family_model(model_type)
     input_ids, attention_mask = family_batch(model_type, 2)

@@ -12,8 +12,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 import safetensors.torch
-from transformers import (AutoTokenizer, MT5Config, MT5ForConditionalGeneration, T5Config,
-                          T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration)
+from transformers import (AutoTokenizer, MT5Config, MT5ForConditionalGeneration,
+                          ProphetNetConfig, ProphetNetForConditionalGeneration, T5Config,
+                          T5ForConditionalGeneration)
 
 import datamodules.hub
 from datamodules import tokenizer as tok
@@ -135,21 +136,26 @@ def test_a_missing_or_incomplete_model_folder_is_named(tmp_path, no_hub):
         build_backbone(model, tok.load_pretrained(model.hub_id))
 
 
-def tiny_umt5_folder(folder: Path) -> Path:
-    """A folder as UMT5's `save_pretrained` leaves it (configuration and random weights)."""
-    config = UMT5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=1)
-    UMT5ForConditionalGeneration(config).save_pretrained(folder)
+def tiny_prophetnet_folder(folder: Path) -> Path:
+    """A folder as ProphetNet's `save_pretrained` leaves it (configuration and random weights)."""
+    config = ProphetNetConfig(vocab_size=64, hidden_size=16, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                              num_encoder_layers=1, num_decoder_layers=1,
+                              num_encoder_attention_heads=2, num_decoder_attention_heads=2,
+                              max_position_embeddings=64)
+    ProphetNetForConditionalGeneration(config).save_pretrained(folder)
     return folder
 
 
 def test_a_model_of_a_type_the_decoders_do_not_run_is_refused_before_any_work(tmp_path, no_hub,
                                                                               monkeypatch):
-    """A UMT5 folder (a bias table in every layer, which no family adapter runs) is refused,
-    naming its model type and the types that run, before a tokenizer, data or weights are read."""
-    folder = tiny_umt5_folder(tmp_path / "umt5")
+    """A ProphetNet folder (its decoder predicts n-gram streams, which no family adapter runs) is
+    refused, naming its model type and the types that run, before a tokenizer, data or weights are
+    read."""
+    folder = tiny_prophetnet_folder(tmp_path / "prophetnet")
     monkeypatch.setattr(tok, "load_pretrained", lambda *_: pytest.fail("the tokenizer was read"))
-    expected = r"model.hub_id='.*umt5' is a 'umt5' model \(UMT5ForConditionalGeneration\); the " \
-               r"decoders run these model types: t5, mt5, longt5, bart, mbart, pegasus, marian"
+    expected = r"model.hub_id='.*prophetnet' is a 'prophetnet' model " \
+               r"\(ProphetNetForConditionalGeneration\); the decoders run these model types: t5, " \
+               r"mt5, longt5, umt5, bart, mbart, pegasus, marian"
     with pytest.raises(ModelError, match=expected):
         Predictor.from_pretrained(str(folder), task="summarization")
     monkeypatch.setattr(trainer, "build", lambda *_, **__: pytest.fail("data was read"))

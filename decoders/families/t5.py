@@ -41,6 +41,7 @@ class T5Family(Family):
         # dropout only where it drops anything: each module call costs a decoding loop more than its op
         dropout = decoder.dropout if decoder.training else unchanged
         hidden = dropout(embedded)
+        buckets = self.layer_buckets(model, positions, cache, slots)
         for layer, block in enumerate(decoder.block):
             self_attention, cross_attention, feed_forward = block.layer
             attention = self_attention.SelfAttention
@@ -49,8 +50,10 @@ class T5Family(Family):
             keys, values = heads_of(attention.k(normed), width), heads_of(attention.v(normed), width)
             if cache is not None:
                 keys, values = cache.write(layer, slots, keys, values)
+            bias = self_bias if buckets is None else (
+                self_bias + attention.relative_attention_bias(buckets).permute(0, 3, 1, 2))
             attended = attend(attention, heads_of(attention.q(normed), width), keys, values,
-                              self_bias, 1.0)
+                              bias, 1.0)
             hidden = _finite(hidden + dropout(attention.o(attended)))
 
             attention = cross_attention.EncDecAttention
@@ -64,6 +67,11 @@ class T5Family(Family):
             dense = feed_forward.DenseReluDense
             hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
         return dropout(decoder.final_layer_norm(hidden))
+
+    def layer_buckets(self, model, positions, cache, slots) -> torch.Tensor | None:
+        """The relative-position buckets (B, Q, keys) each layer's own bias table is read at; None
+        where the stack's one bias is in the decoder's tables already (T5)."""
+        return None
 
     def output_logits(self, model, hidden):
         # T5 with tied embeddings rescales (skipping it changes the argmax); mT5's forward never does
@@ -79,3 +87,30 @@ def _finite(hidden: torch.Tensor) -> torch.Tensor:
     largest = torch.finfo(torch.float16).max
     clamp = torch.where(torch.isinf(hidden).any(), largest - 1000, largest)
     return torch.clamp(hidden, min=-clamp, max=clamp)
+
+
+@register_family
+class UMT5Family(T5Family):
+    """UMT5: T5's layers, each with a relative-position bias table of its own. The decoders' bias
+    tables hold only what each query may see (as for absolute positions); each layer adds its own
+    bias of the distance between a fed token's position and each key's, which the cache keeps
+    (`decoders.cache.DecoderCache.write_positions`)."""
+
+    model_types = ("umt5",)
+    absolute_positions = True
+
+    def position_bias(self, model, distance, bidirectional):
+        return model.decoder.embed_tokens.weight.new_zeros(
+            distance.size(0), model.config.num_heads, *distance.shape[1:])
+
+    def bias_embedding(self, model):
+        # no table reads a weight; they are kept with the token embedding
+        return model.decoder.embed_tokens
+
+    def layer_buckets(self, model, positions, cache, slots):
+        if positions is None:
+            raise ValueError("a umt5 decoder call needs each fed token's position (`positions`)")
+        keys = positions if cache is None else cache.write_positions(slots, positions)  # (B or 1, K)
+        # the decoder's buckets: a key after its query (a relative position > 0) is bucket 0
+        return relative_position_buckets(bias_owner(model.decoder),
+                                         keys[:, None, :] - positions[:, :, None], False)
