@@ -58,45 +58,38 @@ class BartFamily(Family):
         hidden = dropout(embedded)
         norm_first = model.config.model_type in NORM_FIRST
         for index, layer in enumerate(decoder.layers):
-            attention = layer.self_attn
+            # each sublayer: its norm before it (the residual left unnormed) or after the residual
+            attention, norm = layer.self_attn, layer.self_attn_layer_norm
+            normed = norm(hidden) if norm_first else hidden
+            keys = heads_of(attention.k_proj(normed), attention.head_dim)
+            values = heads_of(attention.v_proj(normed), attention.head_dim)
+            if cache is not None:
+                keys, values = cache.write(index, slots, keys, values)
+            attended = attend(attention, heads_of(attention.q_proj(normed), attention.head_dim),
+                              keys, values, self_bias, attention.scaling)
+            hidden = hidden + dropout(attention.out_proj(attended))
+            hidden = hidden if norm_first else norm(hidden)
 
-            def self_attended(normed):
-                keys = heads_of(attention.k_proj(normed), attention.head_dim)
-                values = heads_of(attention.v_proj(normed), attention.head_dim)
-                if cache is not None:
-                    keys, values = cache.write(index, slots, keys, values)
-                return attention.out_proj(attend(
-                    attention, heads_of(attention.q_proj(normed), attention.head_dim), keys, values,
-                    self_bias, attention.scaling))
-            hidden = _sublayer(hidden, self_attended, layer.self_attn_layer_norm, norm_first, dropout)
+            attention, norm = layer.encoder_attn, layer.encoder_attn_layer_norm
+            keys, values = encoder_keys_values(
+                cache, index, lambda: (heads_of(attention.k_proj(encoder_states), attention.head_dim),
+                                       heads_of(attention.v_proj(encoder_states), attention.head_dim)))
+            normed = norm(hidden) if norm_first else hidden
+            attended = attend(attention, heads_of(attention.q_proj(normed), attention.head_dim),
+                              keys, values, cross_mask, attention.scaling)
+            hidden = hidden + dropout(attention.out_proj(attended))
+            hidden = hidden if norm_first else norm(hidden)
 
-            cross = layer.encoder_attn
-
-            def cross_attended(normed):
-                keys, values = encoder_keys_values(
-                    cache, index, lambda: (heads_of(cross.k_proj(encoder_states), cross.head_dim),
-                                           heads_of(cross.v_proj(encoder_states), cross.head_dim)))
-                return cross.out_proj(attend(cross, heads_of(cross.q_proj(normed), cross.head_dim),
-                                             keys, values, cross_mask, cross.scaling))
-            hidden = _sublayer(hidden, cross_attended, layer.encoder_attn_layer_norm, norm_first,
-                               dropout)
-
-            def fed_forward(normed):
-                inner = layer.activation_fn(layer.fc1(normed))
-                if training:
-                    inner = nn.functional.dropout(inner, layer.activation_dropout, True)
-                return layer.fc2(inner)
-            hidden = _sublayer(hidden, fed_forward, layer.final_layer_norm, norm_first, dropout)
+            norm = layer.final_layer_norm
+            normed = norm(hidden) if norm_first else hidden
+            inner = layer.activation_fn(layer.fc1(normed))
+            if training:
+                inner = nn.functional.dropout(inner, layer.activation_dropout, True)
+            hidden = hidden + dropout(layer.fc2(inner))
+            hidden = hidden if norm_first else norm(hidden)
         final_norm = getattr(decoder, "layer_norm", None)
         return hidden if final_norm is None else final_norm(hidden)
 
     def output_logits(self, model, hidden):
         return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)
 
-
-def _sublayer(hidden: torch.Tensor, sublayer, norm: nn.Module, norm_first: bool,
-              dropout) -> torch.Tensor:
-    """One residual sublayer, its norm before it (and the residual left unnormed) or after it."""
-    if norm_first:
-        return hidden + dropout(sublayer(norm(hidden)))
-    return norm(hidden + dropout(sublayer(hidden)))
