@@ -26,6 +26,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
+import datamodules.hub
 from decoders import SpecialTokens, build_decoder
 from decoders.drafts import DraftCounters
 from decoders.loop import through_end
@@ -78,6 +79,14 @@ def tiny_t5(seed: int = 0, initializer_factor: float = 6.0, **overrides) -> T5Fo
         favourite = torch.mode(out[:, 1:].flatten()).values
         model.lm_head.weight[SPECIAL.eos] = model.lm_head.weight[favourite] * 1.02
     return model
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Offline, and loading anything through the hub (`hub_access`) fails the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datamodules.hub, "hub_access",
+                        lambda: pytest.fail("the hub was asked for a model in a local folder"))
 
 
 @pytest.fixture

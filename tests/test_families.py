@@ -22,7 +22,6 @@ from tests.conftest import save_checkpoint
 from tests.test_end_to_end import run_artifact_rows, tracking
 from tests.families import (BART_LIKE, FAMILY_TYPES, FIRST_ORDINARY, family_batch, family_special,
                             family_tokenizer, tiny_family_model)
-from tests.test_pretrained import no_hub  # noqa: F401  (a fixture)
 from tests.test_pipelined import assert_equals_reference
 
 pytestmark = pytest.mark.float64

@@ -16,7 +16,6 @@ from transformers import (AutoTokenizer, MT5Config, MT5ForConditionalGeneration,
                           ProphetNetConfig, ProphetNetForConditionalGeneration, T5Config,
                           T5ForConditionalGeneration)
 
-import datamodules.hub
 from datamodules import tokenizer as tok
 from decoders import build_decoder
 from decoders.loop import split_flat_output, through_end
@@ -51,14 +50,6 @@ def local_t5_small(folder: Path, **config) -> Path:
     torch.manual_seed(0)
     T5ForConditionalGeneration(shrunk).save_pretrained(folder)
     return folder
-
-
-@pytest.fixture
-def no_hub(monkeypatch):
-    """Offline, and loading anything through the hub (`hub_access`) fails the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(datamodules.hub, "hub_access",
-                        lambda: pytest.fail("the hub was asked for a model in a local folder"))
 
 
 @needs_t5_files

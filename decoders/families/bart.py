@@ -6,7 +6,6 @@ plus `final_logits_bias`. No relative-position bias: a position reaches the mode
 token's `positions`, and a decoder's bias tables hold only what each query may see."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from decoders.families import (Family, Sizes, encoder_keys_values, heads_of, register_family,
