@@ -59,3 +59,12 @@ def test_the_headline_draws_a_point_per_timed_row_and_a_line_per_baseline(tmp_pa
     assert "× sequential" in keyphrase.get_xlabel() and keyphrase.get_ylabel() == "present F1@M"
     # one legend for the figure, a decoder once, in the same colour in every panel
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["sequential", "pipelined", "nar"]
+
+
+def test_a_comparison_of_another_model_is_named_in_its_title():
+    """Comparisons of one task on two models side by side: the default model's panel is titled by
+    its task, another model's by its task and model."""
+    titles = [headline.panel(result)["title"]
+              for result in (KEYPHRASE, {**KEYPHRASE, "model": "t5-tiny"},
+                             {**KEYPHRASE, "model": "bart-tiny"})]
+    assert titles == ["keyphrase", "keyphrase", "keyphrase, bart-tiny"]

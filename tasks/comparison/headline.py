@@ -1,5 +1,6 @@
 """Several comparisons in one figure: each row's quality against its speedup over sequential, one
-panel per comparison file (one per task), each baseline a dashed line labelled by name; and the
+panel per comparison file (one per task, or per model of a task: a model other than t5-tiny is
+named in its panel's title), each baseline a dashed line labelled by name; and the
 same figures as one compact markdown table (decoder by file: quality, speedup at batch size 1 and
 at the comparison's batch size), printed.
 
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 
 from tasks.cli import main_guard
+from tasks.config import DEFAULT_CHOICES
 from tasks.comparison.report import primary_metric, pyplot, shown_label
 
 # how the figure and the table name a task and its primary metric (the key itself otherwise)
@@ -31,7 +33,10 @@ def panel(result: dict) -> dict:
     (label, quality, speedup at batch size 1, speedup at the comparison's batch size) and per
     baseline (label, quality)."""
     primary = result.get("primary_metric") or primary_metric(result["task"])
-    return {"title": TASK_NAMES.get(result["task"], result["task"]),
+    title = TASK_NAMES.get(result["task"], result["task"])
+    if result.get("model", DEFAULT_CHOICES["model"]) != DEFAULT_CHOICES["model"]:   # another model: named
+        title = f"{title}, {result['model']}"
+    return {"title": title,
             "metric": METRIC_NAMES.get(primary, primary),
             "rows": [(shown_label(r), r["quality"][primary], r["speedup_bs1"], r["speedup_batch"])
                      for r in result["rows"]],
