@@ -9,11 +9,13 @@ import torch
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForSeq2SeqLM
 
-from decoders import build_decoder
+from decoders import available, build_decoder
 from decoders.backbone import decoder_inputs, run_decoder, sizes
 from decoders.families import family_of
 from decoders.loop import through_end
 from tasks import fit, test as test_entry
+from tasks.bench import bounded
+from tasks.bench.sync_points import counting_sync_points
 from tasks.comparison.timing import PLAIN_GREEDY, TransformersGenerate
 from tasks.config import ConfigError, compose
 from tasks.predictor import Predictor
@@ -323,3 +325,18 @@ def test_a_pretrained_model_without_a_folder_or_hub_id_is_refused():
 def test_a_model_is_chosen_by_its_folder_or_hub_id(choice):
     model = compose("summarization", "pipelined", None, [choice]).model
     assert (model.name, model.hub_id) == ("pretrained", choice.split("=")[1])
+
+
+@pytest.mark.parametrize("name", available())
+@pytest.mark.parametrize("model_type", ("bart", "umt5"))
+def test_at_most_one_sync_point_per_decoder_call_on_other_families(model_type, name):
+    """Positions as arguments (and UMT5's key positions in the cache) add no host sync: as on T5
+    (tests/test_sync_points.py), at most one per decoder call beside a few per decode."""
+    model = tiny_family_model(model_type)
+    input_ids, attention_mask = varied_batch(model)
+    decoder = decoder_for(name, model, **bounded(name, BOUND))
+    decoder.generate(model, input_ids, attention_mask)   # lazy tables made before counting
+    with counting_sync_points() as counter:
+        out = decoder.generate(model, input_ids, attention_mask)
+    per_decode = 2 + {"aggressive": 2, "lookup": 1}.get(name, 0)
+    assert counter.count <= out.batch_decoder_calls + per_decode
