@@ -26,7 +26,7 @@ from tests.families import (BART_LIKE, FAMILY_TYPES, FIRST_ORDINARY, family_batc
                             family_tokenizer, tiny_family_model)
 from tests.test_pipelined import assert_equals_reference
 
-pytestmark = pytest.mark.float64
+pytestmark = [pytest.mark.float64, pytest.mark.numerics]   # decodes random models in float64
 
 BOUND = 16
 LOSSLESS = ("sequential", "lookup", "blockwise", "aggressive")
@@ -165,9 +165,14 @@ def test_pipelined_trained_equals_its_plain_reference(model_type, monkeypatch):
         loss.backward()
         optimizer.step()
     model.eval()
-    input_ids, attention_mask = family_batch(model_type, 4, max_len=9, seed=9)
-    out = assert_equals_reference(monkeypatch, decoder, model, input_ids, attention_mask)
-    assert max(len(subsequences) for subsequences in out.subsequences) >= 2
+
+    def several(seed):
+        """a batch with an output of several subsequences: cached columns of earlier ones are read"""
+        batch = family_batch(model_type, 4, max_len=9, seed=seed)
+        return max(len(subsequences) for subsequences in decoder.generate(model, *batch).subsequences) >= 2
+    seed = next((seed for seed in range(9, 60) if several(seed)), None)
+    assert seed is not None, "no batch with an output of several subsequences"
+    assert_equals_reference(monkeypatch, decoder, model, *family_batch(model_type, 4, max_len=9, seed=seed))
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
