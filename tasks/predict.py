@@ -2,7 +2,7 @@
 
     python -m tasks.predict --ckpt PATH --input FILE.jsonl [--out FILE.jsonl] [--batch-size N]
                             [key=value ...]
-    python -m tasks.predict --pretrained T5_FOLDER_OR_HUB_ID --task TASK --input FILE.jsonl
+    python -m tasks.predict --pretrained FOLDER_OR_HUB_ID --task TASK --input FILE.jsonl
                             [decoder=lookup] [key=value ...]
 
 Each input line is a record of the task's schema without its target: keyphrase `title` and
@@ -16,7 +16,7 @@ The model, its tokenizer and its decoder come from the checkpoint alone: no data
 model trained on `data=jsonl data.path=DIR` predicts after DIR is gone. Overrides change the
 decoding as in tasks.test (`decoder.stop_rule=all_end`, another decoder of the trained layout with
 `decoder=NAME`); sources longer than `data.max_source_length` are cut as in training;
-`--batch-size` sets `eval.batch_size`. `--pretrained` decodes a T5 trained elsewhere (what
+`--batch-size` sets `eval.batch_size`. `--pretrained` decodes a model trained elsewhere (what
 transformers' `save_pretrained` wrote, or a hub id) exactly as its greedy `generate` does, with
 sequential or lookup (`decoder=lookup`), its records those of `--task`. From Python:
 `tasks.predictor.Predictor`.
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--ckpt", help="a checkpoint written by tasks.fit")
     model.add_argument("--pretrained", metavar="MODEL",
-                       help="a T5 that save_pretrained wrote (a folder) or a hub id, decoded as "
+                       help="a model that save_pretrained wrote (a folder) or a hub id, decoded as "
                             "it is (with --task)")
     parser.add_argument("--task", choices=TASKS, help="the task of --pretrained's records")
     parser.add_argument("--input", required=True, help="a JSONL file of records, or - for stdin")

@@ -7,14 +7,15 @@
     predictor.predict([{"title": "...", "abstract": "..."}])
     # -> [{"title": "...", "abstract": "...", "keyphrases": ["...", ...]}]
 
-    # any T5 that transformers' save_pretrained wrote (or a hub id), with a decoder that needs no
+    # any model of a type the decoders run (T5, BART, Pegasus, ...) that transformers'
+    # save_pretrained wrote (or a hub id), with a decoder that needs no
     # training: exactly its greedy `generate` output, as text
     t5 = Predictor.from_pretrained("google-t5/t5-small", task="summarization", decoder="lookup")
 
 What `python -m tasks.predict` does, which is a thin layer over this class: the model, its
-tokenizer and its decoder come from the checkpoint (or the T5 folder) alone, no data set is read;
+tokenizer and its decoder come from the checkpoint (or the pretrained model's folder) alone, no data set is read;
 each record is a record of the task's schema without its target, returned in order with its
-target field (`keyphrases`, `answers`, `summary`) set to the decoded subsequences (a T5 trained
+target field (`keyphrases`, `answers`, `summary`) set to the decoded subsequences (a model trained
 elsewhere writes no separator: its whole output is one), every other field kept.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def predictor_overrides(decoder: str | None = None, stop_rule: str | None = None
 
 
 def decoders_without_training() -> list[str]:
-    """The decoders that decode a T5 trained by anyone, as it is: of the sequential layout, with no
+    """The decoders that decode a model trained by anyone, as it is: of the sequential layout, with no
     weights of their own and no second model to draft with."""
     def weightless(name: str) -> bool:
         probe = build_decoder(name, T5Config(), SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4,
@@ -78,7 +79,7 @@ def decoders_without_training() -> list[str]:
 
 class Predictor:
     """A trained model, restored to predict: `Predictor.from_checkpoint` (a `tasks.fit`
-    checkpoint) or `Predictor.from_pretrained` (a T5 trained elsewhere).
+    checkpoint) or `Predictor.from_pretrained` (a model trained elsewhere).
 
     Errors in the settings come when it is made, before any model is built, as
     `tasks.config.ConfigError` (a bad checkpoint, an unknown decoder, a bad value); the model is
@@ -120,12 +121,13 @@ class Predictor:
                         batch_size: int | None = None, device: str | None = None,
                         precision: str | None = None, overrides: Sequence[str] = (),
                         config_file: str | None = None) -> "Predictor":
-        """A T5 trained elsewhere: a folder that transformers' `save_pretrained` wrote (its
-        `config.json`, weights and tokenizer files), or a hub id (fetched, or read from the local
-        cache; offline, a hub id not in the cache fails with a message saying so). It decodes
-        with a decoder that needs no training (`decoders_without_training()`: sequential, the
-        default, and lookup), exactly as its greedy `generate` does; `task` says which record fields are its
-        source and which one receives its output.
+        """A model trained elsewhere, of a type the decoders run (`decoders.families`): a folder
+        that transformers' `save_pretrained` wrote (its `config.json`, weights and tokenizer
+        files), or a hub id (fetched, or read from the local cache; offline, a hub id not in the
+        cache fails with a message saying so). It decodes with a decoder that needs no training
+        (`decoders_without_training()`: sequential, the default, and lookup), exactly as its
+        greedy `generate` does with its extras switched off; `task` says which record fields are
+        its source and which one receives its output.
 
         The other arguments are `from_checkpoint`'s; `overrides` may set e.g. the output bound
         (`decoder.max_new_tokens=128`) or `data.max_source_length`.
@@ -135,7 +137,7 @@ class Predictor:
                                                    *overrides, *options])
         allowed = decoders_without_training()
         if cfg.decoder.name not in allowed:
-            raise ConfigError(f"decoder {cfg.decoder.name!r} cannot decode a T5 trained elsewhere "
+            raise ConfigError(f"decoder {cfg.decoder.name!r} cannot decode a model trained elsewhere "
                               f"(it needs weights or a drafter of its own); decoders that need no "
                               f"training: {', '.join(allowed)}")
         check_pretrained_model_type(cfg.model)   # here: a model the decoders do not run is refused,
