@@ -425,7 +425,7 @@ def test_a_t5_folder_decodes_exactly_as_its_greedy_generate(decoder, t5_folder):
 
 def test_only_decoders_that_need_no_training_decode_a_t5_folder(t5_folder):
     assert decoders_without_training() == ["lookup", "sequential"]
-    with pytest.raises(ConfigError, match="decoder 'blockwise' cannot decode a T5 trained "
+    with pytest.raises(ConfigError, match="decoder 'blockwise' cannot decode a model trained "
                                           "elsewhere .* decoders that need no training: lookup, "
                                           "sequential"):
         Predictor.from_pretrained(t5_folder, task="summarization", decoder="blockwise")
