@@ -86,16 +86,18 @@ def build_backbone(model: DictConfig, tokenizer, stored_config: dict | None = No
     return backbone
 
 
-# The configurations of the BART-like types built here, and the token each starts its decoder with
-# (transformers' conventions: BART's and mBART's is the end token, Pegasus's and Marian's the pad).
-BUILT_CONFIGS = {"bart": (BartConfig, "eos"), "mbart": (MBartConfig, "eos"),
-                 "pegasus": (PegasusConfig, "pad"), "marian": (MarianConfig, "pad")}
+# The configurations of the BART-like types built here, the token each starts its decoder with
+# (transformers' conventions: BART's and mBART's is the end token, Pegasus's and Marian's the pad),
+# and whether it scales its token embeddings by sqrt(d_model): Pegasus's and Marian's checkpoints
+# do, so that their tokens are not drowned by the sinusoidal positions (of norm sqrt(d_model / 2)).
+BUILT_CONFIGS = {"bart": (BartConfig, "eos", False), "mbart": (MBartConfig, "eos", False),
+                 "pegasus": (PegasusConfig, "pad", True), "marian": (MarianConfig, "pad", True)}
 
 
 def built_config(model: DictConfig, tokenizer) -> PretrainedConfig:
     """The configuration of a BART-like model built here (`model.type`) at `model`'s sizes, for
     `tokenizer`'s special tokens; every decode-time extra of `generate` left unset."""
-    config_class, start = BUILT_CONFIGS[built_type(model)]
+    config_class, start, scaled = BUILT_CONFIGS[built_type(model)]
     ids = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
     return config_class(
         vocab_size=len(tokenizer), d_model=model.d_model, encoder_layers=model.num_layers,
@@ -104,7 +106,7 @@ def built_config(model: DictConfig, tokenizer) -> PretrainedConfig:
         decoder_ffn_dim=model.d_ff, max_position_embeddings=model.max_positions,
         dropout=model.dropout, init_std=float(model.init_std), pad_token_id=ids["pad"],
         eos_token_id=ids["eos"], bos_token_id=tokenizer.bos_token_id,
-        decoder_start_token_id=ids[start], forced_eos_token_id=None)
+        decoder_start_token_id=ids[start], forced_eos_token_id=None, scale_embedding=scaled)
 
 
 def start_position_heads(backbone: T5ForConditionalGeneration, encoder: list[int],
