@@ -216,11 +216,14 @@ def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torc
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
     cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
                   else cross_attention_mask(encoder_mask, encoder_states.dtype))
+    family = family_of(model.config)
+    if positions is None and family.absolute_positions:
+        raise ValueError(f"a {model.config.model_type} decoder call needs each fed token's "
+                         f"position (`positions`)")
     if implementation == "sdpa" and self_bias.is_cuda:
         self_bias = sdpa_aligned(self_bias)
-    return family_of(model.config).run_layers(model, input_ids, positions, position_embeddings,
-                                              self_bias, encoder_states, cross_mask, cache, slots,
-                                              _ATTEND[implementation])
+    return family.run_layers(model, input_ids, positions, position_embeddings, self_bias,
+                             encoder_states, cross_mask, cache, slots, _ATTEND[implementation])
 
 
 def sdpa_aligned(bias: torch.Tensor) -> torch.Tensor:

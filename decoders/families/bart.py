@@ -38,9 +38,6 @@ class BartFamily(Family):
 
     def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
                    encoder_states, cross_mask, cache, slots, attend):
-        if positions is None:
-            raise ValueError(f"a {model.config.model_type} decoder call needs each fed token's "
-                             f"position (`positions`)")
         decoder = model.get_decoder()
         # a scaled embedding module (BART, mBART) or a scale kept beside it (Pegasus, Marian)
         embedded = decoder.embed_tokens(input_ids) * getattr(decoder, "embed_scale", 1.0)

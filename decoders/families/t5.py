@@ -108,8 +108,6 @@ class UMT5Family(T5Family):
         return model.decoder.embed_tokens
 
     def layer_buckets(self, model, positions, cache, slots):
-        if positions is None:
-            raise ValueError("a umt5 decoder call needs each fed token's position (`positions`)")
         keys = positions if cache is None else cache.write_positions(slots, positions)  # (B or 1, K)
         # the decoder's buckets: a key after its query (a relative position > 0) is bucket 0
         return relative_position_buckets(bias_owner(model.decoder),
