@@ -44,17 +44,18 @@ class Family(abc.ABC):
     def sizes(self, config) -> Sizes:
         raise NotImplementedError
 
-    @abc.abstractmethod
     def position_bias(self, model, distance: torch.Tensor, bidirectional: bool) -> torch.Tensor:
         """distance: (B, queries, keys) ints, how far each key lies in the past of each query
-        (negative: in its future) -> (B, heads, queries, keys) self-attention bias."""
-        raise NotImplementedError
+        (negative: in its future) -> (B, heads, queries, keys) self-attention bias: zeros in a
+        family whose positions reach its layers otherwise (`absolute_positions`)."""
+        heads = self.sizes(model.config).heads
+        return self.bias_embedding(model).weight.new_zeros(distance.size(0), heads, *distance.shape[1:])
 
-    @abc.abstractmethod
     def bias_embedding(self, model) -> nn.Embedding:
         """The embedding whose weight `position_bias` reads: tables made from the bias are kept
-        while that weight keeps its values (`backbone.made_from_bias_weight`)."""
-        raise NotImplementedError
+        while that weight keeps its values (`backbone.made_from_bias_weight`). Where no table reads
+        a weight, the decoder's token embedding, which they are kept with."""
+        return model.get_decoder().embed_tokens
 
     @abc.abstractmethod
     def run_layers(self, model, input_ids: torch.Tensor, positions: torch.Tensor | None,

@@ -27,15 +27,6 @@ class BartFamily(Family):
         return Sizes(config.d_model, config.decoder_ffn_dim, config.decoder_attention_heads,
                      config.decoder_layers, config.init_std)
 
-    def position_bias(self, model, distance, bidirectional):
-        heads = model.config.decoder_attention_heads
-        return model.get_decoder().embed_tokens.weight.new_zeros(
-            distance.size(0), heads, *distance.shape[1:])
-
-    def bias_embedding(self, model):
-        # no table reads a weight; they are kept with the token embedding
-        return model.get_decoder().embed_tokens
-
     def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
                    encoder_states, cross_mask, cache, slots, attend):
         decoder = model.get_decoder()

@@ -99,13 +99,9 @@ class UMT5Family(T5Family):
     model_types = ("umt5",)
     absolute_positions = True
 
-    def position_bias(self, model, distance, bidirectional):
-        return model.decoder.embed_tokens.weight.new_zeros(
-            distance.size(0), model.config.num_heads, *distance.shape[1:])
-
-    def bias_embedding(self, model):
-        # no table reads a weight; they are kept with the token embedding
-        return model.decoder.embed_tokens
+    # `Family.position_bias` and `bias_embedding`: zero tables, kept with the token embedding
+    position_bias = Family.position_bias
+    bias_embedding = Family.bias_embedding
 
     def layer_buckets(self, model, positions, cache, slots):
         keys = positions if cache is None else cache.write_positions(slots, positions)  # (B or 1, K)
