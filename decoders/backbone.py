@@ -183,6 +183,18 @@ def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~visible, torch.finfo(dtype).min)[:, None]
 
 
+def source_at_fixed_width(encoder_states: torch.Tensor,
+                          attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder's states (B, S, d_model) and padding mask (B, S), padded with hidden positions
+    to the next power of two (at least 16): a step compiled for fixed shapes meets a few source
+    widths, not every source length. The cross-attention hides the added positions, so every
+    token's state is what it was."""
+    length = encoder_states.size(1)
+    width = max(16, 1 << (length - 1).bit_length())
+    return (nn.functional.pad(encoder_states, (0, 0, 0, width - length)),
+            nn.functional.pad(attention_mask, (0, width - length)))
+
+
 def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, source_len) 1/0 padding mask -> the (B, 1, 1, source_len) additive mask the
     cross-attention takes; a decoding loop makes it once and passes it to every `run_decoder`."""
@@ -277,7 +289,27 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     and per-op dispatch overhead removed and element-wise ops fused. Shapes are symbolic
     (`dynamic=True`): a call's batch, fed tokens and cache length change from call to call. The
     first calls of each new model or shape compile, which takes seconds to a minute."""
-    compiled = torch.compile(run_decoder, dynamic=True)
+    return _recompiling_up_to_limit(torch.compile(run_decoder, dynamic=True))
+
+
+@functools.cache
+def fixed_shape_run_decoder() -> Callable[..., torch.Tensor]:
+    """`run_decoder` through torch.compile for fixed shapes (`dynamic=False`), made once per
+    process, for loops whose calls take a few shapes only: a cache written at slot = position and
+    attended in a few widths, the source padded to a few widths (`source_at_fixed_width`), slots
+    and positions given as tensors, the batch's rows kept to the end. No guard or kernel is then
+    symbolic: one graph per model and shape (the first call, which makes the cache, has its own),
+    compiled at its first call and reused by every later decode."""
+    return _recompiling_up_to_limit(torch.compile(_fixed_shape_step, dynamic=False))
+
+
+def _fixed_shape_step(*args) -> torch.Tensor:
+    # `run_decoder` under a code object of its own: Dynamo keeps its graphs with the code it
+    # compiles, and these must stay apart from the symbolic ones of `compiled_run_decoder`
+    return run_decoder(*args)
+
+
+def _recompiling_up_to_limit(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)(compiled)
 
 

@@ -4,8 +4,9 @@
         [--examples 100] [--batch-size 16] [--repeats 3]
 
 Decodes the first test examples of each checkpoint eagerly, then with `decoder.compile` on (every
-decoder call runs T5's decoder blocks through `decoders.backbone.compiled_run_decoder`, shapes
-symbolic), at batch size 1 and at --batch-size, on one thread with denormals flushed; per mode a
+decoder call runs the backbone's decoder layers through torch.compile: sequential's for fixed
+shapes, `decoders.backbone.fixed_shape_run_decoder`, the others' for symbolic ones,
+`compiled_run_decoder`), at batch size 1 and at --batch-size, on one thread with denormals flushed; per mode a
 warm-up pass (where compilation happens: its seconds are printed), then the median of --repeats
 passes, the decoders interleaved in each.
 

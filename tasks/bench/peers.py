@@ -1,7 +1,7 @@
 """This library's exact decoders beside transformers' own fast paths, on the same trained model.
 
     python -m tasks.bench.peers --ckpt SEQUENTIAL.ckpt [--blockwise BLOCKWISE.ckpt] \\
-        [--ctranslate2] [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] \\
+        [--ctranslate2] [--compiled] [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] \\
         [--repeats 3] [--examples N] [--single-examples N] [--threads 1] [--out FILE.json]
 
 On the checkpoint's test inputs, timed side by side (interleaved, median of `--repeats` passes
@@ -12,6 +12,8 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
   which transformers refuses at batch size above 1;
 - this library's sequential and lookup decoders on the same weights, and its blockwise decoder
   on the `--blockwise` checkpoint (heads trained on that sequential model) when given;
+- with `--compiled`, the library's sequential decoder compiled (`decoder.compile=true`: its step
+  compiled for fixed shapes, once per batch size, in the warm-up);
 - with `--ctranslate2`, the inference engine CTranslate2's greedy decoding of the same weights
   (exported as `tasks.export` exports them, then converted), float32 and int8
   (`pip install -e ".[bench]"`).
@@ -40,6 +42,7 @@ from tasks.cli import command_line, log, main_guard, show_report
 from tasks.runs.restore import save_pretrained_folder
 
 GREEDY = "transformers greedy"
+COMPILED_SEQUENTIAL = "sequential(compile=true)"
 
 
 def prompt_lookup_name(tokens: int) -> str:
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--blockwise", default=None, help="a blockwise checkpoint (heads on it)")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="add CTranslate2's greedy rows, float32 and int8 (needs ctranslate2)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add the library's sequential decoder compiled (decoder.compile=true)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompt-lookup", default="4,10",
                         help="prompt_lookup_num_tokens settings of transformers' rows")
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                                        backbone=sequential.backbone),
                "sequential": sequential,
                "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
+    if args.compiled:
+        batched[COMPILED_SEQUENTIAL] = restored(COMPILED_SEQUENTIAL, args.ckpt)[1].module.to(device).eval()
     if args.blockwise is not None:
         batched["blockwise"] = restored("blockwise", args.blockwise)[1].module.to(device).eval()
     if args.ctranslate2:

@@ -173,11 +173,14 @@ class Timing:
 def time_decoders(modules: dict, batches: list[dict], device: torch.device, precision: str,
                   repeats: int) -> dict[str, Timing]:
     """Every module of `modules` (name -> an object with `.decoder` and `.backbone`) timed on the
-    same `batches` (already on `device`): a warm-up decode each, then `repeats` passes, the modules
+    same `batches` (already on `device`): a warm-up decode each (of every batch for a decoder that
+    compiles its calls, whose every new shape compiles once), then `repeats` passes, the modules
     taking turns on each batch (`interleaved_passes`) so that the machine's drifts touch all of
     them alike."""
     for module in modules.values():
-        timed(module.decoder, module.backbone, batches[0], device, precision)
+        compiles = getattr(module.decoder, "compiled_calls", False)
+        for batch in batches if compiles else batches[:1]:
+            timed(module.decoder, module.backbone, batch, device, precision)
     timers = {name: partial(timed, module.decoder, module.backbone, device=device, precision=precision)
               for name, module in modules.items()}
     passes = interleaved_passes(timers, batches, repeats)
