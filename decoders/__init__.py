@@ -51,7 +51,8 @@ def decoder_class(name: str) -> type[Decoder]:
 def build_decoder(name: str, backbone_config, special: SpecialTokens, compile: bool = False,
                   **options) -> Decoder:
     """Decoder `name` with its own `options`, and those every decoder shares
-    (`Decoder.shared_decode_options`): `compile` runs its calls' model step through torch.compile."""
+    (`Decoder.shared_decode_options`): `compile` runs its encoder pass and its calls' model step
+    through torch.compile."""
     decoder = decoder_class(name)(backbone_config, special, **options)
     decoder.compiled_calls = bool(compile)
     return decoder

@@ -5,6 +5,7 @@ detached."""
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from typing import Any, Callable, Collection, Hashable, NamedTuple
 
@@ -292,21 +293,57 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     return _recompiling_up_to_limit(torch.compile(run_decoder, dynamic=True))
 
 
+def greedy_tokens(model: PreTrainedModel, *step: Any) -> torch.Tensor:
+    """(B, Q) the model's argmax token after each fed token: `run_decoder(model, *step)`, then the
+    output head. One step of greedy decoding."""
+    return output_logits(model, run_decoder(model, *step)).argmax(-1)
+
+
+def fixed_shape_greedy_tokens(model: PreTrainedModel, shape: Hashable) -> Callable[..., torch.Tensor]:
+    """`greedy_tokens` through torch.compile for fixed shapes (`dynamic=False`), for loops whose
+    calls take a few shapes only: a cache written at slot = position and attended in a few widths,
+    the source padded to a few widths (`source_at_fixed_width`), slots and positions given as
+    tensors, a few batch sizes. One function per model and `shape` (a key of every shape of the
+    call, which the loop gives), made at the first call and kept while the model lives: no guard or
+    kernel is symbolic, and every later decode reuses it.
+
+    A call costs its kernels and little else: the graph's wrapper is C++ (inductor's
+    `cpp_wrapper`), and Dynamo checks only the tensors' guards (shape, dtype, device, strides of
+    the inputs and the model's weights), not those of the Python objects around them (the model's
+    modules and configuration, the cache object), which at the built-in sizes on a CPU cost
+    about a third of a compiled call. The function per model and shape stands in for them: its
+    key holds what else decides the graph (the attention implementation, training mode). So a
+    model whose modules or configuration change in place, other than by `train()`/`eval()` or
+    `to()`, needs a new model object to decode compiled."""
+    steps = _FIXED_SHAPE_STEPS.setdefault(model, {})
+    key = (shape, attention_implementation(model.config), model.training)
+    if key not in steps:
+        # a code object of its own: Dynamo keeps its graphs, and checks them, with the code
+        code = _greedy_tokens_step.__code__.replace(co_name=f"greedy_tokens_{len(steps)}")
+        step = types.FunctionType(code, _greedy_tokens_step.__globals__, code.co_name)
+        steps[key] = _recompiling_up_to_limit(torch.compile(
+            step, dynamic=False, options={"cpp_wrapper": True, "guard_filter_fn": _tensor_guards}))
+    return steps[key]
+
+
+# The compiled functions of `fixed_shape_greedy_tokens`, by model, then by key.
+_FIXED_SHAPE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Which of a graph's guards Dynamo keeps: those on tensors, the weights' included.
+_tensor_guards = functools.partial(torch.compiler.keep_tensor_guards_unsafe, keep_parameters=True)
+
+
+def _greedy_tokens_step(*args) -> torch.Tensor:
+    return greedy_tokens(*args)
+
+
 @functools.cache
-def fixed_shape_run_decoder() -> Callable[..., torch.Tensor]:
-    """`run_decoder` through torch.compile for fixed shapes (`dynamic=False`), made once per
-    process, for loops whose calls take a few shapes only: a cache written at slot = position and
-    attended in a few widths, the source padded to a few widths (`source_at_fixed_width`), slots
-    and positions given as tensors, the batch's rows kept to the end. No guard or kernel is then
-    symbolic: one graph per model and shape (the first call, which makes the cache, has its own),
-    compiled at its first call and reused by every later decode."""
-    return _recompiling_up_to_limit(torch.compile(_fixed_shape_step, dynamic=False))
-
-
-def _fixed_shape_step(*args) -> torch.Tensor:
-    # `run_decoder` under a code object of its own: Dynamo keeps its graphs with the code it
-    # compiles, and these must stay apart from the symbolic ones of `compiled_run_decoder`
-    return run_decoder(*args)
+def compiled_encode() -> Callable[..., torch.Tensor]:
+    """`encode` through torch.compile, made once per process, for decodes under
+    `decoder.compile=true`: symbolic shapes (a batch's source length changes from batch to batch),
+    a C++ wrapper. At the built-in sizes on a CPU the eager encoder of one example costs as much
+    as a few decoder calls; compiled, it costs less than half that."""
+    return _recompiling_up_to_limit(torch.compile(encode, dynamic=True, options={"cpp_wrapper": True}))
 
 
 def _recompiling_up_to_limit(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

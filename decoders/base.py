@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from datamodules.vocabulary import Choice, Range, SpecialTokens
-from decoders.backbone import compiled_run_decoder, fixed_shape_run_decoder, run_decoder
+from decoders.backbone import compiled_encode, compiled_run_decoder, encode, run_decoder
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,9 @@ class Decoder(nn.Module, abc.ABC):
     # Options every decoder takes beside its own, all decode-only; `build_decoder` applies them:
     # `compile` sets `compiled_calls`.
     shared_decode_options: ClassVar[tuple[str, ...]] = ("compile",)
-    # Whether decoding runs each decoder call's model step through torch.compile (`model_step`).
+    # Whether decoding runs the encoder pass and each decoder call's model step through
+    # torch.compile (`encoder_pass`, `model_step`).
     compiled_calls: bool = False
-    # Whether the decoder's loop, when compiled, gives its calls a few fixed shapes (a cache of at
-    # most the output bound's slots attended in a few widths, rows kept to the end): its step is
-    # then compiled for fixed shapes, once per shape (`backbone.fixed_shape_run_decoder`), else
-    # for symbolic ones.
-    fixed_shape_calls: ClassVar[bool] = False
 
     def __init__(self, backbone_config: PretrainedConfig, special: SpecialTokens, **given: Any):
         """`given`: values of the decoder's `options` (the others take their defaults), checked
@@ -167,14 +163,17 @@ class Decoder(nn.Module, abc.ABC):
         set and no gradient is recorded (training never compiles)."""
         return self.compiled_calls and not torch.is_grad_enabled()
 
+    def encoder_pass(self) -> Callable[..., torch.Tensor]:
+        """What a decode runs the backbone's encoder with, once per batch: `backbone.encode`, or,
+        when it `compiles`, that function through torch.compile (`backbone.compiled_encode`)."""
+        return compiled_encode() if self.compiles() else encode
+
     def model_step(self) -> Callable[..., torch.Tensor]:
         """What a decoding loop runs the backbone's decoder layers with: `backbone.run_decoder`, or,
-        when it `compiles`, that function through torch.compile, for fixed shapes where the loop
-        keeps them (`fixed_shape_calls`: `backbone.fixed_shape_run_decoder`), else for symbolic
-        ones (`backbone.compiled_run_decoder`)."""
-        if not self.compiles():
-            return run_decoder
-        return fixed_shape_run_decoder() if self.fixed_shape_calls else compiled_run_decoder()
+        when it `compiles`, that function through torch.compile for symbolic shapes
+        (`backbone.compiled_run_decoder`). A loop that keeps its calls in a few fixed shapes compiles
+        its own step for them (sequential: `backbone.fixed_shape_greedy_tokens`)."""
+        return compiled_run_decoder() if self.compiles() else run_decoder
 
     def trains_backbone(self) -> bool:
         """Whether training updates the backbone's weights; False when only the decoder's own

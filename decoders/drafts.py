@@ -22,7 +22,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import cross_attention_mask, encode, output_logits, sizes
+from decoders.backbone import cross_attention_mask, output_logits, sizes
 from decoders.base import Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.draft_policy import (ADAPTIVE, FIXED, Tally, counted_positions, fed_offers,
@@ -268,7 +268,7 @@ class VerifyLoop:
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> LoopState:
         """Encode once; every row's first call feeds the start token, and the first drafts."""
         batch_size, device = input_ids.size(0), input_ids.device
-        encoder_states = encode(self.model, input_ids, attention_mask)      # (B, S, d_model), once
+        encoder_states = self.drafter.encoder_pass()(self.model, input_ids, attention_mask)  # (B, S, d_model)
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)  # (B, 1, 1, S)
         drafting = self.drafter.begin_drafts(
             self.model, Source(input_ids, attention_mask, encoder_states, cross_mask))

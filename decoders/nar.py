@@ -383,7 +383,7 @@ class MaskPredictDecoder(Decoder):
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        encoder_states = encode(model, input_ids, attention_mask)           # (B, S, d_model)
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)   # (B, S, d_model)
         tokens, lengths, calls, _ = self.predict_outputs(model, encoder_states, attention_mask)
         chosen = torch.cat([lengths[:, None], tokens], dim=1).tolist()    # the results' one read-back
 

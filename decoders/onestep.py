@@ -151,7 +151,7 @@ class OneStepDecoder(Decoder):
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
         batch_size = input_ids.size(0)
-        encoder_states = encode(model, input_ids, attention_mask)               # (B, S, d_model)
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)  # (B, S, d_model)
         offsets = self.offsets(encoder_states, attention_mask, self.max_new_tokens)  # (B, W, d_model)
         tokens = one_pass_logits(model, self.special.start, offsets, encoder_states, attention_mask,
                                  self.model_step()).argmax(-1)                   # (B, W)

@@ -320,7 +320,7 @@ class PipelinedDecoder(Decoder):
             lambda: structure_table(past_distance_bias_table(model, slots + length), self.delay, slots,
                                     length - 1))
         width = grid_width(length - 1)
-        encoder_states = encode(model, input_ids, attention_mask)
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
         return Batch(model, self.model_step(), table, width, padding_code=slots * width,
                      cache=DecoderCache(sizes(model.config).layers), rows=LiveRows(batch_size, device),
                      keys=torch.zeros((batch_size, 0), dtype=torch.long, device=device),

@@ -14,8 +14,10 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         Compiled (`decoder.compile`), its calls take a few fixed shapes: a cache of up to the
         bound's slots written at slot = step and attended in widths of ATTENDED_SLOTS_STEP slots
         (those past the step hidden by the bias), the source padded to a power of two, and the
-        finished rows kept in the batch, their tokens discarded; so a few graphs per batch size and
-        source width serve every step of every decode.
+        finished rows kept in the batch (their tokens discarded) until the unfinished ones fit half
+        of it, when it shrinks to the power of two that holds them; so a few graphs per batch size
+        and source width serve every step of every decode. Its compiled step is the whole call: the
+        decoder layers, the output head and the argmax (`backbone.fixed_shape_greedy_tokens`).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cross_attention_mask, decoder_inputs, encode, made_from_bias_weight,
-                               output_logits, past_distance_bias_table, sizes, source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_greedy_tokens,
+                               made_from_bias_weight, output_logits, past_distance_bias_table, sizes,
+                               source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
@@ -47,7 +50,6 @@ def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list
 class SequentialDecoder(Decoder):
     layout_family = "flat-causal"  # blockwise trains its base head on this same layout
     options = {"max_new_tokens": OUTPUT_BOUND}
-    fixed_shape_calls = True
 
     def layout(self, targets):
         flat = [join_subsequences(subs, self.special.sep, self.special.eos) for subs in targets]
@@ -65,17 +67,20 @@ class SequentialDecoder(Decoder):
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
-        batch_size, device, bound = input_ids.size(0), input_ids.device, self.max_new_tokens
-        encoder_states = encode(model, input_ids, attention_mask)
-        fixed_shapes = self.compiles()
-        if fixed_shapes:
-            encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
+        loop = self._fixed_shape_loop if self.compiles() else self._eager_loop
+        produced, calls = loop(model, encoder_states, attention_mask)
+        outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once
+        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], calls)
+
+    def _eager_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
+        """(B, bound) tokens produced (NOT_PRODUCED after a row's end) and the calls taken; finished
+        rows leave the batch and the cache."""
+        batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
-        steps = (fixed_shape_steps(model, bound, batch_size) if fixed_shapes
-                 else growing_steps(model, bound))
-        cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
+        steps = growing_steps(model, bound)
+        cache = DecoderCache(sizes(model.config).layers)
         rows = LiveRows(batch_size, device)
-        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
         run = self.model_step()
@@ -85,24 +90,69 @@ class SequentialDecoder(Decoder):
             hidden = run(model, step_input, bias, encoder_states, cross_mask, cache, slots,
                          positions)                                        # (live, 1, d_model)
             next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
-            ends = next_tokens == self.special.eos
-            if fixed_shapes:   # every row stays: a finished row's later tokens are not produced
-                produced[:, step] = next_tokens.masked_fill(finished, NOT_PRODUCED)
-                finished = finished | ends
-                if step + 1 == bound or rows.read(finished.all()):
-                    break
-            else:              # finished rows leave the batch and the cache
-                produced[rows.index, step] = next_tokens
-                if step + 1 == bound:
-                    break
-                kept = rows.drop_finished(ends, cache, encoder_states, cross_mask, next_tokens)
-                if kept is None:
-                    break
-                encoder_states, cross_mask, next_tokens = kept
+            produced[rows.index, step] = next_tokens
+            if step + 1 == bound:
+                break
+            kept = rows.drop_finished(next_tokens == self.special.eos, cache, encoder_states,
+                                      cross_mask, next_tokens)
+            if kept is None:
+                break
+            encoder_states, cross_mask, next_tokens = kept
             step_input = next_tokens[:, None]
+        return produced, step + 1
 
-        outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once
-        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], step + 1)
+    def _fixed_shape_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
+        """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
+        shape (`fixed_shape_greedy_tokens`): the source padded to a power of two, finished rows
+        kept (their later tokens not produced) until the unfinished ones fit a batch of half the
+        rows or fewer, which then holds them, topped up with finished rows to a power of two."""
+        batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
+        encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+        steps = fixed_shape_steps(model, bound, batch_size)
+        cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
+        rows = LiveRows(batch_size, device)
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+        step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
+        for step in range(bound):
+            bias, slots, positions = steps[step]
+            # one compiled function per shape: the rows, the source's and the attended slots'
+            # widths, and whether the call makes the cache
+            shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
+            next_tokens = fixed_shape_greedy_tokens(model, shape)(
+                model, step_input, bias, encoder_states, cross_mask, cache, slots, positions)[:, -1]
+            produced[rows.index, step] = next_tokens.masked_fill(finished, NOT_PRODUCED)
+            finished = finished | (next_tokens == self.special.eos)
+            if step + 1 == bound:
+                break
+            done = rows.read(finished)
+            if all(done):
+                break
+            dropped = rows_past_bucket(done)
+            if any(dropped):
+                encoder_states, cross_mask, next_tokens, finished = rows.drop(
+                    dropped, cache, encoder_states, cross_mask, next_tokens, finished)
+                steps = fixed_shape_steps(model, bound, next_tokens.size(0))
+            step_input = next_tokens[:, None]
+        return produced, step + 1
+
+
+def rows_past_bucket(done: list[bool]) -> list[bool]:
+    """Which rows a fixed-shape batch drops, given which are `done`: none while the unfinished
+    rows need a power of two of rows at least the batch's; else the finished rows beyond that
+    power of two (the first ones kept), so that the batch takes few sizes."""
+    unfinished = done.count(False)
+    size = 1 << (unfinished - 1).bit_length()          # the power of two that holds them
+    if size >= len(done):
+        return [False] * len(done)
+    spare = size - unfinished                           # finished rows kept to fill it
+    dropped = []
+    for d in done:
+        keep_finished = d and spare > 0
+        spare -= keep_finished
+        dropped.append(d and not keep_finished)
+    return dropped
 
 
 class Step(NamedTuple):

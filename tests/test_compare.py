@@ -214,25 +214,38 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     peer_out = tmp_path / "peers.json"
     compared = peers.main(["--ckpt", paths["sequential"], "--batch-size", "4", "--repeats", "1",
                            "--prompt-lookup", "2,5", "--ctranslate2", "--compiled",
-                           "--out", str(peer_out)])
+                           "--pipelined", paths["pipelined"], "--out", str(peer_out)])
     assert "not GPU figures" in compared["note"]
     single = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 1]
     batched = [r["decoder"] for r in compared["rows"] if r["batch_size"] == 4]
     engine = [peers.ctranslate2_name("float32"), peers.ctranslate2_name("int8")]
-    library = ["sequential", "lookup", peers.COMPILED_SEQUENTIAL]
+    library = ["sequential", "lookup", peers.COMPILED_SEQUENTIAL, peers.PIPELINED, peers.COMPILED_PIPELINED]
     assert single == [peers.GREEDY, peers.prompt_lookup_name(2), peers.prompt_lookup_name(5),
                       *library, *engine]
     assert batched == [peers.GREEDY, *library, *engine]   # no prompt lookup batched
+    # every row scored on the examples it decoded; an exact row scores what greedy generate scores
+    assert all("present_f1_at_M" in r["quality"] for r in compared["rows"])
+    greedy = {r["batch_size"]: r["quality"] for r in compared["rows"] if r["decoder"] == peers.GREEDY}
+    assert all(r["quality"] == greedy[r["batch_size"]] for r in compared["rows"]
+               if r["identical_to_greedy"])
     # greedy generate, its prompt lookup and this library's eager exact decoders agree on fp32 CPU;
     # compiled kernels and the engine's round otherwise (int8 weights most), so their rows report
     # what they give
-    rounding_apart = [*engine, peers.COMPILED_SEQUENTIAL]
+    rounding_apart = [*engine, peers.COMPILED_SEQUENTIAL, peers.PIPELINED, peers.COMPILED_PIPELINED]
+    # (pipelined: its own model)
     assert all(r["identical_to_greedy"] for r in compared["rows"] if r["decoder"] not in rounding_apart)
     assert all(isinstance(r["identical_to_greedy"], bool) for r in compared["rows"])
     assert all(r["speed_vs_greedy"] > 0 and r["decoder_calls_per_example"] >= 1
                for r in compared["rows"])
     assert all(len(r["speed_vs_greedy_passes"]) == 1 for r in compared["rows"])  # one per pass
     assert "batch size 1 only" in peer_out.with_suffix(".md").read_text()
+    assert "a model of its own" in peer_out.with_suffix(".md").read_text()
+    other_task = fit.main(["--decoder", "pipelined", *TINY, "--task", "qa", *tracking(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--pipelined .* was trained for task 'qa', --ckpt for "
+                                          r"'keyphrase'"):
+        peers.main(["--ckpt", paths["sequential"], "--pipelined", other_task["checkpoint"],
+                    "--out", str(tmp_path / "refused.json")])
+    assert not (tmp_path / "refused.json").exists()
 
 
 def test_decode_only_benchmarks_refuse_bad_arguments():

@@ -1,15 +1,19 @@
 """`decoder.compile`: every decoder can run its calls' model step through torch.compile; the tokens
 are those of the eager decode, training never compiles, and it is decode-only (a comparison sweeps
 it on one trained model)."""
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from decoders import available, build_decoder
 import decoders.base
-from decoders.backbone import compiled_run_decoder, fixed_shape_run_decoder, run_decoder
-from decoders.sequential import ATTENDED_SLOTS_STEP
-from tasks.bench import bounded
+import decoders.sequential
+from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_tokens, run_decoder
+from decoders.sequential import ATTENDED_SLOTS_STEP, rows_past_bucket
+from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
 from tasks.config import ConfigError, compose
 from tests.conftest import SPECIAL, assert_same_output, first_batch_where, random_batch, tiny_t5
@@ -35,11 +39,32 @@ def test_the_option_compiles_the_decoding_step_only(name):
     compiled = build_decoder(name, model.config, SPECIAL, compile=True, **bounded(name, 8))
     assert not eager.compiled_calls and compiled.compiled_calls
     with torch.no_grad():
-        assert eager.model_step() is run_decoder
-        assert compiled.model_step() is (fixed_shape_run_decoder() if compiled.fixed_shape_calls
-                                         else compiled_run_decoder())
+        assert eager.model_step() is run_decoder and eager.encoder_pass() is encode
+        assert compiled.model_step() is compiled_run_decoder()
+        assert compiled.encoder_pass() is compiled_encode()
     with torch.enable_grad():
-        assert compiled.model_step() is run_decoder
+        assert compiled.model_step() is run_decoder and compiled.encoder_pass() is encode
+
+
+@pytest.mark.parametrize("name", available())
+def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(name, monkeypatch):
+    """Every decoder's decode takes its encoder pass from `encoder_pass` (here the compiled
+    functions replaced by recording eager ones, so nothing compiles)."""
+    model = tiny_t5(0)
+    encoded = []
+
+    def recording_encode(*args):
+        encoded.append(args[1].shape)
+        return encode(*args)
+    monkeypatch.setattr(decoders.base, "compiled_encode", lambda: recording_encode)
+    monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
+    monkeypatch.setattr(decoders.sequential, "fixed_shape_greedy_tokens", lambda model, shape: greedy_tokens)
+    decoder = with_drafter(build_decoder(name, model.config, SPECIAL, compile=True,
+                                         **bounded(name, 8)).eval(), model)
+    batch = random_batch(3, seed=0)
+    with torch.no_grad():
+        decoder.generate(model, *batch)
+    assert encoded == [batch[0].shape]
 
 
 def test_it_is_a_decode_option_of_every_decoder_and_a_bool():
@@ -98,33 +123,58 @@ def batch_ending_apart(model, special, batch_size: int = 5, first_seed: int = 0,
     raise AssertionError(f"no batch of the {model_type} model ends its rows apart")
 
 
-@pytest.mark.parametrize("model_type", ["t5", "umt5", "bart", "marian"])
-def test_sequentials_compiled_loop_runs_its_calls_in_a_few_shapes_and_gives_the_eager_tokens(
-        model_type, monkeypatch):
-    """The loop sequential runs compiled (a cache of `max_new_tokens` slots attended in a few widths,
-    the source padded, finished rows kept), here with its step run eagerly: its calls have those
-    few shapes, and its output is the eager loop's,
-    on families with relative (T5, UMT5's per-layer) and absolute (BART, Marian) positions."""
-    model, special = model_of(model_type)
+def decoded_recording_shapes(decoder, model, batch, monkeypatch):
+    """`decoder.generate` of `batch` with its fixed-shape step run eagerly, and the shapes of each
+    call: (fed ids, bias, slots written, slots attended, positions, encoder states, cross mask)."""
     shapes = []
 
     def recording_step(model, ids, bias, encoder_states, cross_mask, cache, slots, positions):
         shapes.append((ids.shape, bias.shape, slots.each.shape, slots.width, positions.shape,
                        encoder_states.shape, cross_mask.shape))
-        return run_decoder(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
+        return greedy_tokens(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
 
-    monkeypatch.setattr(decoders.base, "fixed_shape_run_decoder", lambda: recording_step)
-    batch = batch_ending_apart(model, special, bound=ATTENDED_SLOTS_STEP + 8,
-                               longest_above=ATTENDED_SLOTS_STEP)
+    with monkeypatch.context() as patch:
+        patch.setattr(decoders.sequential, "fixed_shape_greedy_tokens", lambda model, shape: recording_step)
+        return decoder.generate(model, *batch), shapes
+
+
+def test_a_fixed_shape_batch_drops_finished_rows_only_down_to_a_power_of_two():
+    assert rows_past_bucket([False] * 16) == [False] * 16
+    assert rows_past_bucket([True] * 7 + [False] * 9) == [False] * 16      # 9 need 16 rows
+    # 8 unfinished fit 8 rows: every finished row goes
+    assert rows_past_bucket([True, False] * 8) == [True, False] * 8
+    # 5 unfinished need 8 rows: the first 3 finished rows stay to fill them
+    assert rows_past_bucket([True] * 11 + [False] * 5) == [False] * 3 + [True] * 8 + [False] * 5
+    assert rows_past_bucket([False, True, True]) == [False, True, True]     # 1 row of 3
+    assert rows_past_bucket([True, False, False]) == [True, False, False]   # 2 of 3 fit 2 rows
+    assert rows_past_bucket([False] * 5) == [False] * 5
+
+
+@pytest.mark.parametrize("model_type", ["t5", "umt5", "bart", "marian"])
+def test_sequentials_compiled_loop_runs_its_calls_in_a_few_shapes_and_gives_the_eager_tokens(
+        model_type, monkeypatch):
+    """The loop sequential runs compiled (a cache of `max_new_tokens` slots attended in a few widths,
+    the source padded, finished rows kept until the unfinished ones fit half the batch), here with
+    its step run eagerly: its calls have those few shapes, and its output is the eager loop's,
+    on families with relative (T5, UMT5's per-layer) and absolute (BART, Marian) positions."""
+    model, special = model_of(model_type)
     bound = ATTENDED_SLOTS_STEP + 8
+    batch = batch_ending_apart(model, special, bound=bound, longest_above=ATTENDED_SLOTS_STEP)
     eager = build_decoder("sequential", model.config, special, max_new_tokens=bound).eval()
     compiled = build_decoder("sequential", model.config, special, max_new_tokens=bound, compile=True).eval()
-    expected, out = eager.generate(model, *batch), compiled.generate(model, *batch)
+    expected = eager.generate(model, *batch)
+    out, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
     assert_same_output(out, expected)
     assert out.decoder_calls == expected.decoder_calls
     assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
     ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
-    assert all(len(set(kind)) == 1 for kind in (ids, each, positions, states, cross_mask))
+    # the batch's rows: all five, then powers of two, fewer each time, as rows finish
+    rows = [shape[0] for shape in ids]
+    assert rows[0] == 5 and rows == sorted(rows, reverse=True) and len(set(rows)) > 1
+    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
+    for kind in (ids, each, states, cross_mask):   # one shape per batch size
+        assert len(set(zip(rows, kind))) == len(set(rows))
+    assert len(set(positions)) == 1
     assert [shape[-1] for shape in bias] == list(width)   # the slots attended, in a few widths:
     # steps of ATTENDED_SLOTS_STEP, up to the bound
     assert list(width) == [
@@ -134,18 +184,46 @@ def test_sequentials_compiled_loop_runs_its_calls_in_a_few_shapes_and_gives_the_
 
 
 @pytest.mark.slow   # compiling takes seconds
-def test_compiled_sequential_decoding_compiles_once_and_later_decodes_reuse_it():
+def test_compiled_sequential_decoding_compiles_once_and_later_decodes_reuse_it(monkeypatch):
     """After one decode of a batch size, a decode of other inputs of that size, of another source
-    length and whose rows end after other numbers of calls, compiles nothing and gives the eager
-    tokens."""
+    length and whose rows end after other numbers of calls (within the shapes the first met: the
+    batch sizes its finished rows leave and the widths attended), compiles nothing and gives the
+    eager tokens."""
     model = tiny_t5(0)
-    warm_up = batch_ending_apart(model, SPECIAL, max_len=12)
-    batch = batch_ending_apart(model, SPECIAL, first_seed=50, max_len=9)
-    assert batch[0].size(1) != warm_up[0].size(1)
     compiled = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=16, compile=True).eval()
+    warm_up = batch_ending_apart(model, SPECIAL, max_len=12)
+    _, met = decoded_recording_shapes(compiled, model, warm_up, monkeypatch)
+
+    def within_warm_up(batch) -> bool:
+        _, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
+        return batch[0].size(1) != warm_up[0].size(1) and set(shapes) <= set(met)
+    batch = next(batch for batch in (batch_ending_apart(model, SPECIAL, first_seed=seed, max_len=9)
+                                     for seed in range(50, 90, 4)) if within_warm_up(batch))
+    eager = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=16).eval()
+    expected = eager.generate(model, *batch)
+    assert expected.tokens != eager.generate(model, *warm_up).tokens   # rows ending otherwise
     compiled.generate(model, *warm_up)
     graphs = dict(counters["stats"])
     out = compiled.generate(model, *batch)
     assert dict(counters["stats"]) == graphs
-    eager = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=16).eval()
-    assert_same_output(out, eager.generate(model, *batch))
+    assert_same_output(out, expected)
+
+
+@pytest.mark.slow   # compiling takes seconds
+def test_compiled_sequential_steps_are_kept_per_model_and_freed_with_it():
+    """Two models of one shape key but other structures (T5's feed-forward layers and gated ones) each decode
+    compiled to their eager tokens in one process. A model let go is freed, with the compiled steps
+    kept for it."""
+    batch = random_batch(4, seed=3)
+    outputs = []
+    for model in (tiny_t5(0), tiny_t5(1, feed_forward_proj="gated-gelu")):
+        compiled = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=8, compile=True).eval()
+        eager = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=8).eval()
+        out = compiled.generate(model, *batch)
+        assert_same_output(out, eager.generate(model, *batch))
+        outputs.append(out.subsequences)
+        alive = weakref.ref(model)
+    del model, compiled, eager
+    gc.collect()
+    assert alive() is None
+    assert outputs[0] != outputs[1]   # not vacuous: the models decode differently

@@ -1,21 +1,24 @@
-"""What `decoder.compile` buys each decoder: its calls' model step through torch.compile.
+"""What `decoder.compile` buys each decoder: its encoder pass and calls' model step through torch.compile.
 
     python -m tasks.bench.compiled_calls sequential=S.ckpt pipelined=P.ckpt [blockwise=B.ckpt ...]
         [--examples 100] [--batch-size 16] [--repeats 3]
 
-Decodes the first test examples of each checkpoint eagerly, then with `decoder.compile` on (every
-decoder call runs the backbone's decoder layers through torch.compile: sequential's for fixed
-shapes, `decoders.backbone.fixed_shape_run_decoder`, the others' for symbolic ones,
-`compiled_run_decoder`), at batch size 1 and at --batch-size, on one thread with denormals flushed; per mode a
-warm-up pass (where compilation happens: its seconds are printed), then the median of --repeats
-passes, the decoders interleaved in each.
+Decodes the first test examples of each checkpoint eagerly and with `decoder.compile` on (the
+encoder through `decoders.backbone.compiled_encode`; every decoder call through torch.compile:
+sequential's whole greedy step for fixed shapes, `decoders.backbone.fixed_shape_greedy_tokens`, the
+others' layers for symbolic ones, `compiled_run_decoder`), at batch size 1 and at --batch-size, on
+one thread with denormals flushed: a warm-up pass per mode (where compilation happens: its seconds
+are printed), then --repeats passes, in each of which every decoder and batch size decodes eagerly
+and then compiled, one after the other, so that the machine's drifts touch both modes alike.
 
-It prints a table: per decoder and batch size, examples per second eagerly and compiled, their
-ratio, whether the compiled decode gave exactly the eager tokens, and, in each mode, the speedup
-over the first checkpoint. A CPU measurement: there compilation removes Python and per-op dispatch
-overhead and fuses element-wise ops.
+It prints a table: per decoder and batch size, the median examples per second eagerly and compiled,
+the median of the passes' compiled / eager ratios with the lowest and highest, whether the compiled
+decode gave exactly the eager tokens, and, in each mode, the speedup over the first checkpoint. A
+CPU measurement: there compilation removes Python and per-op dispatch overhead and fuses
+element-wise ops.
 """
 import argparse
+import copy
 import statistics
 import time
 
@@ -33,56 +36,57 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)
 
+MODES = ("eager", "compiled")
 decoders = {}
 for name, path in parse_checkpoints(args.checkpoints).items():
     built = restore_as_trained(path)
-    examples = built.datamodule.dataset("test").examples[:args.examples]
-    collate = built.datamodule.collate
-    decoders[name] = (built.module.eval(), {
-        "bs1": [collate([e]) for e in examples],
-        f"bs{args.batch_size}": [collate(examples[i:i + args.batch_size])
+    module, data = built.module.eval(), built.datamodule
+    compiled = copy.copy(module.decoder)     # the same modules, decoding with decoder.compile=true
+    compiled.compiled_calls = True
+    examples = data.dataset("test").examples[:args.examples]
+    decoders[name] = ({"eager": module.decoder, "compiled": compiled}, module.backbone, {
+        "bs1": [data.collate([e]) for e in examples],
+        f"bs{args.batch_size}": [data.collate(examples[i:i + args.batch_size])
                                  for i in range(0, len(examples), args.batch_size)]})
 
 
-def decode(module, batches) -> tuple[float, list]:
+def decode(decoder, backbone, batches) -> tuple[float, list]:
     """(seconds, every example's subsequences) of decoding `batches` in order."""
     outputs, started = [], time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            out = module.decoder.generate(module.backbone, batch["input_ids"], batch["attention_mask"])
-            outputs += out.subsequences
+            outputs += decoder.generate(backbone, batch["input_ids"], batch["attention_mask"]).subsequences
     return time.perf_counter() - started, outputs
 
 
-def measure() -> dict:
-    """{decoder: (warm-up seconds, {batch label: (median seconds, outputs)})} in the current mode."""
-    warmup = {name: sum(decode(module, batches)[0] for batches in sizes.values())
-              for name, (module, sizes) in decoders.items()}
-    passes = [{(name, label): decode(module, batches) for name, (module, sizes) in decoders.items()
-               for label, batches in sizes.items()} for _ in range(args.repeats)]
-    return {name: (warmup[name], {label: (statistics.median(p[name, label][0] for p in passes),
-                                          passes[0][name, label][1]) for label in sizes})
-            for name, (_, sizes) in decoders.items()}
+warmup = {(name, mode): sum(decode(modes[mode], backbone, batches)[0] for batches in sizes.values())
+          for name, (modes, backbone, sizes) in decoders.items() for mode in MODES}
+passes = [{(name, label, mode): decode(modes[mode], backbone, batches)
+           for name, (modes, backbone, sizes) in decoders.items()
+           for label, batches in sizes.items() for mode in MODES}
+          for _ in range(args.repeats)]
 
 
-eager = measure()
-for module, _ in decoders.values():
-    module.decoder.compiled_calls = True   # what decoder.compile=true sets
-compiled = measure()
+def seconds(name: str, label: str, mode: str) -> float:
+    return statistics.median(p[name, label, mode][0] for p in passes)
+
 
 reference = next(iter(decoders))
 print(f"decoder.compile=true against eager; one thread, denormals flushed, "
-      f"{len(decoders[reference][1]['bs1'])} test examples; speedups over {reference} in the same mode\n")
-print("| decoder | batch | eager ex/s | compiled ex/s | compiled / eager | compiled tokens | "
-      "speedup eager | speedup compiled | warm-up s eager / compiled |")
+      f"{len(decoders[reference][2]['bs1'])} test examples; {args.repeats} passes, each decoding "
+      f"eagerly then compiled; speedups over {reference} in the same mode\n")
+print("| decoder | batch | eager ex/s | compiled ex/s | compiled / eager (lowest–highest pass) | "
+      "compiled tokens | speedup eager | speedup compiled | warm-up s eager / compiled |")
 print("|---|---|---|---|---|---|---|---|---|")
-for name, (module, sizes) in decoders.items():
+for name, (_, _, sizes) in decoders.items():
     for label, batches in sizes.items():
         examples = sum(len(batch["input_ids"]) for batch in batches)
-        seconds, outputs = eager[name][1][label]
-        compiled_seconds, compiled_outputs = compiled[name][1][label]
-        print(f"| {name} | {label[2:]} | {examples / seconds:.1f} | {examples / compiled_seconds:.1f} | "
-              f"{seconds / compiled_seconds:.2f}x | {'equal' if compiled_outputs == outputs else 'DIFFER'} | "
-              f"{eager[reference][1][label][0] / seconds:.2f}x | "
-              f"{compiled[reference][1][label][0] / compiled_seconds:.2f}x | "
-              f"{eager[name][0]:.1f} / {compiled[name][0]:.1f} |")
+        ratios = [p[name, label, "eager"][0] / p[name, label, "compiled"][0] for p in passes]
+        same = all(p[name, label, "eager"][1] == p[name, label, "compiled"][1] for p in passes)
+        eager, compiled = seconds(name, label, "eager"), seconds(name, label, "compiled")
+        print(f"| {name} | {label[2:]} | {examples / eager:.1f} | {examples / compiled:.1f} | "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}–{max(ratios):.2f}) | "
+              f"{'equal' if same else 'DIFFER'} | "
+              f"{seconds(reference, label, 'eager') / eager:.2f}x | "
+              f"{seconds(reference, label, 'compiled') / compiled:.2f}x | "
+              f"{warmup[name, 'eager']:.1f} / {warmup[name, 'compiled']:.1f} |")

@@ -37,24 +37,15 @@ import torch
 
 from tasks.baselines import scored_baselines
 from tasks.bench import restored
-from tasks.comparison.measure import device_batches, flushed_denormals
+from tasks.comparison.measure import device_batches, flushed_denormals, scored
 from tasks.comparison.plan import parse_checkpoints
 from tasks.comparison.report import bound_share, not_learned, primary_metric, speedup_cell
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
                                      time_decoders, timing_conditions)
 from tasks.config import ConfigError
-from tasks.module import subsequence_texts, task_scores
 from tasks.cli import command_line, log, main_guard, show_report
 
 GENERATE = "transformers generate"
-
-
-def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
-    """A row's quality (the task's test scores) and count of outputs cut by a bound, from the
-    outputs of its last timed pass."""
-    predictions = subsequence_texts(tokenizer, timing.subsequences())
-    return {"quality": task_scores(cfg, tokenizer, predictions, records),
-            "bound_hits": sum(hit for out in timing.outputs for hit in out.bound_hit)}
 
 
 def decode_time_shares(timing) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """This library's exact decoders beside transformers' own fast paths, on the same trained model.
 
     python -m tasks.bench.peers --ckpt SEQUENTIAL.ckpt [--blockwise BLOCKWISE.ckpt] \\
-        [--ctranslate2] [--compiled] [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] \\
+        [--pipelined PIPELINED.ckpt] [--ctranslate2] [--compiled] [--batch-size 16] [--prompt-lookup 4,10] [--precision fp32|bf16] \\
         [--repeats 3] [--examples N] [--single-examples N] [--threads 1] [--out FILE.json]
 
 On the checkpoint's test inputs, timed side by side (interleaved, median of `--repeats` passes
@@ -12,14 +12,18 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
   which transformers refuses at batch size above 1;
 - this library's sequential and lookup decoders on the same weights, and its blockwise decoder
   on the `--blockwise` checkpoint (heads trained on that sequential model) when given;
+- with `--pipelined`, the library's pipelined decoder on a pipelined checkpoint of the same task:
+  a model of its own, trained on the pipelined layout, so its tokens are not greedy `generate`'s;
 - with `--compiled`, the library's sequential decoder compiled (`decoder.compile=true`: its step
-  compiled for fixed shapes, once per batch size, in the warm-up);
+  compiled for fixed shapes, once per shape, in the warm-up), and pipelined compiled where
+  `--pipelined` is given;
 - with `--ctranslate2`, the inference engine CTranslate2's greedy decoding of the same weights
   (exported as `tasks.export` exports them, then converted), float32 and int8
   (`pip install -e ".[bench]"`).
 At batch size 1 every row runs; at `--batch-size` every row that can. Per row: whether its tokens
-equal greedy `generate`'s on every example, the model's decoder passes per example, its speed
-over greedy `generate`'s and its peak memory (on CUDA `max_memory_allocated`, on a CPU the growth
+equal greedy `generate`'s on every example, its quality (the task's main test metric on the
+examples it decoded), the model's decoder passes per example, its speed over greedy `generate`'s
+and its peak memory (on CUDA `max_memory_allocated`, on a CPU the growth
 of the C heap). Without CUDA the figures are CPU figures and the output says so.
 """
 from __future__ import annotations
@@ -32,7 +36,8 @@ from types import SimpleNamespace
 import torch
 
 from tasks.bench import restored
-from tasks.comparison.measure import device_batches, flushed_denormals
+from tasks.comparison.measure import device_batches, flushed_denormals, scored
+from tasks.comparison.report import primary_metric
 from tasks.comparison.report import speedup_cell
 from tasks.comparison.timing import (CTRANSLATE2_TYPES, PRECISIONS, CTranslate2Greedy,
                                      TransformersGenerate, conditions_caption, ctranslate2_package,
@@ -42,7 +47,9 @@ from tasks.cli import command_line, log, main_guard, show_report
 from tasks.runs.restore import save_pretrained_folder
 
 GREEDY = "transformers greedy"
+PIPELINED = "pipelined"
 COMPILED_SEQUENTIAL = "sequential(compile=true)"
+COMPILED_PIPELINED = "pipelined(compile=true)"
 
 
 def prompt_lookup_name(tokens: int) -> str:
@@ -64,6 +71,18 @@ def ctranslate2_rows(checkpoint: str, sequential, device, threads: int, folder: 
         backbone=sequential.backbone) for quantization in CTRANSLATE2_TYPES}
 
 
+def same_inputs(flag: str, path: str, cfg, built, reference_cfg, reference):
+    """The task module of checkpoint `path`, refused (ConfigError) unless it was trained for the
+    --ckpt checkpoint's task with its tokenizer: every row decodes the same token ids."""
+    if cfg.task.name != reference_cfg.task.name:
+        raise ConfigError(f"{flag} {path} was trained for task {cfg.task.name!r}, --ckpt for "
+                          f"{reference_cfg.task.name!r}; every row decodes the same test inputs")
+    if built.datamodule.tokenizer.get_vocab() != reference.datamodule.tokenizer.get_vocab():
+        raise ConfigError(f"{flag} {path} has another tokenizer than the --ckpt checkpoint; every "
+                          f"row decodes the same token ids")
+    return built.module
+
+
 def positive_integers(flag: str, text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -74,15 +93,18 @@ def positive_integers(flag: str, text: str) -> list[int]:
     return values
 
 
-def rows_at(batch_size: int, modules: dict, datamodule, test, device, precision: str,
-            repeats: int) -> list[dict]:
-    """Every module timed at `batch_size` on the same batches; ratios and "identical" against
-    greedy `generate`, the first module."""
+def rows_at(batch_size: int, modules: dict, cfg, datamodule, examples: int | None, device,
+            precision: str, repeats: int) -> list[dict]:
+    """Every module timed at `batch_size` on the same batches, the first `examples` test examples;
+    ratios and "identical" against greedy `generate`, the first module; each scored."""
+    test = datamodule.dataset("test").examples[:examples]
     batches = device_batches(datamodule, test, batch_size, device)
     timings = time_decoders(modules, batches, device, precision, repeats)
     reference = timings[GREEDY]
+    records = datamodule.records("test")[:len(test)]
     return [{"decoder": name, "batch_size": batch_size,
              "identical_to_greedy": timing.subsequences() == reference.subsequences(),
+             **scored(cfg, datamodule.tokenizer, timing, records),
              "decoder_calls_per_example": timing.calls_per_example,
              "examples_per_second": len(test) / timing.seconds,
              "speed_vs_greedy": reference.seconds / timing.seconds,
@@ -98,13 +120,17 @@ def markdown(result: dict) -> str:
                f"{result['repeats']} passes")
     if result["note"]:
         caption += f"; {result['note']}"
-    lines = [caption, "", "| decoder | batch | identical to greedy | calls/ex | ex/s | vs greedy "
-             "(lowest–highest pass) | peak MB |", "|---|---|---|---|---|---|---|"]
+    primary = result["primary_metric"]
+    lines = [caption, "", f"| decoder | batch | identical to greedy | {primary} | calls/ex | ex/s | "
+             "vs greedy (lowest–highest pass) | peak MB |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['decoder']} | {r['batch_size']} | "
-                     f"{'yes' if r['identical_to_greedy'] else 'NO'} | "
+                     f"{'yes' if r['identical_to_greedy'] else 'NO'} | {r['quality'][primary]:.3f} | "
                      f"{r['decoder_calls_per_example']:.1f} | {r['examples_per_second']:.1f} | "
                      f"{speedup_cell(r, 'speed_vs_greedy')} | {r['peak_memory_mb']:.1f} |")
+    if any(r["decoder"] in (PIPELINED, COMPILED_PIPELINED) for r in result["rows"]):
+        lines += ["", "pipelined decodes a pipelined checkpoint of the same task, a model of its own: "
+                  "its tokens are not greedy `generate`'s, and its quality column is what to compare."]
     lines += ["", f"transformers' prompt lookup runs at batch size 1 only (\"assisted generate is "
               f"only supported for batch_size = 1\"): it has no row at batch size "
               f"{result['batch_size']}.", "", f"Command: `{result['command']}`"]
@@ -115,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="a sequential checkpoint written by tasks.fit")
     parser.add_argument("--blockwise", default=None, help="a blockwise checkpoint (heads on it)")
+    parser.add_argument("--pipelined", default=None,
+                        help="a pipelined checkpoint of the same task (its own row)")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="add CTranslate2's greedy rows, float32 and int8 (needs ctranslate2)")
     parser.add_argument("--compiled", action="store_true",
@@ -153,8 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
                "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
     if args.compiled:
         batched[COMPILED_SEQUENTIAL] = restored(COMPILED_SEQUENTIAL, args.ckpt)[1].module.to(device).eval()
-    if args.blockwise is not None:
-        batched["blockwise"] = restored("blockwise", args.blockwise)[1].module.to(device).eval()
+    for name, flag, path in (("blockwise", "--blockwise", args.blockwise),
+                             (PIPELINED, "--pipelined", args.pipelined),
+                             (COMPILED_PIPELINED, "--pipelined", args.compiled and args.pipelined)):
+        if path:
+            batched[name] = same_inputs(flag, path, *restored(name, path), cfg, built).to(device).eval()
     if args.ctranslate2:
         exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
         batched.update(ctranslate2_rows(args.ckpt, sequential, device, args.threads,
@@ -166,13 +197,15 @@ def main(argv: list[str] | None = None) -> dict:
               **{name: module for name, module in batched.items() if name != GREEDY}}
     datamodule = built.datamodule
     test = datamodule.dataset("test").examples[:args.examples]
+    single_examples = len(test[:args.single_examples])
     with flushed_denormals(device):
-        rows = (rows_at(1, single, datamodule, test[:args.single_examples], device,
-                        args.precision, args.repeats)
-                + rows_at(args.batch_size, batched, datamodule, test, device, args.precision,
-                          args.repeats))
+        rows = (rows_at(1, single, cfg, datamodule, single_examples, device, args.precision,
+                        args.repeats)
+                + rows_at(args.batch_size, batched, cfg, datamodule, len(test), device,
+                          args.precision, args.repeats))
     result = {**conditions, "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
-              "examples": len(test), "single_examples": len(test[:args.single_examples]),
+              "examples": len(test), "single_examples": single_examples,
+              "primary_metric": primary_metric(cfg.task.name),
               "batch_size": args.batch_size, "rows": rows,
               "command": command_line("tasks.bench.peers", argv)}
     show_report(args.out, result, markdown(result))

@@ -42,10 +42,11 @@
 #                                                # lookup and aggressive beside sequential, pipelined,
 #                                                # blockwise and nar on checkpoints S P B N of TASK (no
 #                                                # training; key=value: the data they were fitted on)
-#   tasks/bench/run_benchmarks.sh peers TASK S B     # transformers' greedy generate and prompt lookup beside
+#   tasks/bench/run_benchmarks.sh peers TASK S B P   # transformers' greedy generate and prompt lookup beside
 #                                                # this library's sequential (eager and compiled), lookup
 #                                                # and blockwise and CTranslate2's greedy (needs ".[bench]"),
-#                                                # on sequential checkpoint S and blockwise checkpoint B of TASK
+#                                                # on sequential checkpoint S and blockwise checkpoint B of TASK,
+#                                                # and pipelined on pipelined checkpoint P of TASK
 #   tasks/bench/run_benchmarks.sh multispanqa-fit    # sequential, pipelined, blockwise, nar fitted on
 #                                                # $DATA/multispanqa (their checkpoints, for drafts)
 #
@@ -88,7 +89,7 @@ case "${1:-}" in
             data.max_subsequence_length=64 data.max_eval_examples=200 \
             trainer.max_epochs=40 trainer.max_time=00:00:35:00 --out results/cnndm.json ;;
     peers)  # the headline tables' examples and batch size, one thread
-        python -m tasks.bench.peers --ckpt "$3" --blockwise "$4" --compiled --ctranslate2 --batch-size 16 \
+        python -m tasks.bench.peers --ckpt "$3" --blockwise "$4" --pipelined "$5" --compiled --ctranslate2 --batch-size 16 \
             --examples 100 --repeats 9 --threads 1 --out "results/peers_$2.json" ;;
     pretrain)  # 2000 texts per folder at most, cut to 127 tokens, 8 epochs
         python -m tasks.experiments.pretrain \

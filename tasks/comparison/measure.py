@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from tqdm.auto import tqdm
 
 from tasks.comparison.plan import Row
-from tasks.module import GenerationTask, timed_generate
+from tasks.module import GenerationTask, subsequence_texts, task_scores, timed_generate
 from tasks.runs.trainer import DecodeTarget
 
 
@@ -223,3 +223,11 @@ def trained_parameters(module: GenerationTask) -> int:
     if module.decoder.trains_backbone():
         count += sum(p.numel() for p in module.backbone.parameters())
     return count
+
+
+def scored(cfg, tokenizer, timing, records: list[dict]) -> dict:
+    """A timed row's quality (the task's test scores, as tasks.test scores) and count of outputs
+    cut by a bound, from the outputs of its last timed pass (`timing.Timing`)."""
+    predictions = subsequence_texts(tokenizer, timing.subsequences())
+    return {"quality": task_scores(cfg, tokenizer, predictions, records),
+            "bound_hits": sum(hit for out in timing.outputs for hit in out.bound_hit)}
