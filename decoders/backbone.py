@@ -310,8 +310,8 @@ def fixed_shape_greedy_tokens(model: PreTrainedModel, shape: Hashable) -> Callab
     A call costs its kernels and little else: the graph's wrapper is C++ (inductor's
     `cpp_wrapper`), and Dynamo checks only the tensors' guards (shape, dtype, device, strides of
     the inputs and the model's weights), not those of the Python objects around them (the model's
-    modules and configuration, the cache object), which at the built-in sizes on a CPU cost
-    about a third of a compiled call. The function per model and shape stands in for them: its
+    modules and configuration, the cache object), which at the built-in sizes on a CPU take a
+    large share of a call's time otherwise. The function per model and shape stands in for them: its
     key holds what else decides the graph (the attention implementation, training mode). So a
     model whose modules or configuration change in place, other than by `train()`/`eval()` or
     `to()`, needs a new model object to decode compiled."""

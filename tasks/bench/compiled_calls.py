@@ -1,4 +1,4 @@
-"""What `decoder.compile` buys each decoder: its encoder pass and calls' model step through torch.compile.
+"""What `decoder.compile` buys each decoder: its encoder and calls' model step compiled.
 
     python -m tasks.bench.compiled_calls sequential=S.ckpt pipelined=P.ckpt [blockwise=B.ckpt ...]
         [--examples 100] [--batch-size 16] [--repeats 3]

@@ -37,8 +37,7 @@ import torch
 
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals, scored
-from tasks.comparison.report import primary_metric
-from tasks.comparison.report import speedup_cell
+from tasks.comparison.report import primary_metric, speedup_cell
 from tasks.comparison.timing import (CTRANSLATE2_TYPES, PRECISIONS, CTranslate2Greedy,
                                      TransformersGenerate, conditions_caption, ctranslate2_package,
                                      time_decoders, timing_conditions)
