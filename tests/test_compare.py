@@ -207,6 +207,7 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     assert all(r["decode_time_shares"] == {} for r in result["rows"])   # none drafts with a model
     table = out.with_suffix(".md").read_text()
     assert "not GPU figures" in table and ", 1 thread(s)," in table   # --threads' default
+    assert "passes, decoder steps eager;" in table and not any(r["options"]["compile"] for r in result["rows"])
     assert result["threads"] == torch.get_num_threads() == 1
     assert f"sequential's tokens {'equal' if identical else 'DIFFER FROM'}" in table
     assert identical or f"in {differing[4]} examples at batch size 4" in table
@@ -620,6 +621,24 @@ def test_a_result_without_baselines_is_judged_by_the_zero_rule():
     assert "| pipelined (not learned) | own |" in table
     assert "- pipelined (not learned): present_f1_at_M is 0" in table
     assert "baseline" not in table
+
+
+def test_the_tables_say_which_rows_compiled_their_steps():
+    from tasks.comparison.headline import headline_table, panel
+    eager = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0))
+    assert "threads, denormals flushed to zero, decoder steps eager, eval batch" in markdown(eager)
+    assert "(compiled)" not in markdown(eager)
+    mixed = judged_rows(("sequential", 0.5, 0), ("pipelined", 0.4, 0), ("lookup", 0.5, 0))
+    mixed["rows"][1]["options"] = {"compile": True}
+    mixed["rows"][2].update(label="lookup(compile=true)", options={"compile": True})  # named: no mark
+    table = markdown(mixed)
+    assert "decoder steps eager, compiled where marked" in table
+    assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")][1:] == [
+        "| sequential", "| pipelined (compiled)", "| lookup(compile=true)"]
+    assert "| pipelined (compiled) | " in headline_table([panel(mixed)])
+    for entry in mixed["rows"]:
+        entry["options"] = {"compile": True}
+    assert "decoder steps compiled, eval batch" in markdown(mixed)
 
 
 def test_the_table_shows_the_baselines_after_the_rows_without_speed():

@@ -39,7 +39,8 @@ from tasks.baselines import scored_baselines
 from tasks.bench import restored
 from tasks.comparison.measure import device_batches, flushed_denormals, scored
 from tasks.comparison.plan import parse_checkpoints
-from tasks.comparison.report import bound_share, not_learned, primary_metric, speedup_cell
+from tasks.comparison.report import (bound_share, not_learned, primary_metric, shown_label,
+                                     speedup_cell, steps_caption)
 from tasks.comparison.timing import (PRECISIONS, TransformersGenerate, conditions_caption,
                                      time_decoders, timing_conditions)
 from tasks.config import ConfigError
@@ -81,7 +82,9 @@ def benchmark(modules: dict, cfgs: dict, datamodule, device: torch.device, batch
                                                                timings[first].subsequences()))
         for name, timing in timings.items():
             cfg = cfgs.get(name, cfgs[first])
-            rows.append({"decoder": name, "batch_size": batch_size, "examples": len(test),
+            compiled = getattr(modules[name].decoder, "compiled_calls", False)   # generate: never
+            rows.append({"decoder": name, "options": {"compile": compiled},
+                         "batch_size": batch_size, "examples": len(test),
                          "examples_per_second": len(test) / timing.seconds,
                          "speedup": timings[first].seconds / timing.seconds,
                          "speedup_passes": timing.speedups_over(timings[first]),
@@ -115,7 +118,8 @@ def markdown(result: dict) -> str:
     caption = (conditions_caption(result)
                + f", precision {result['precision']}, {result['task']}, {result['examples']} test "
                f"examples (batch size 1: the first {result['single_examples']}), median of "
-               f"{result['repeats']} passes; baselines scored on the {result['examples']}")
+               f"{result['repeats']} passes, {steps_caption(result['rows'])}; baselines scored on "
+               f"the {result['examples']}")
     if result["note"]:
         caption += f"; {result['note']}"
     if result["sequential_equals_generate"] is not None:
@@ -130,7 +134,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         memory = "-" if r["memory_vs_first"] is None else f"{r['memory_vs_first']:.2f}"
-        label = r["decoder"] + (" (not learned)" if r["not_learned"] else "")
+        label = shown_label({**r, "label": r["decoder"]})
         lines.append(f"| {label} | {r['batch_size']} | {r['examples_per_second']:.1f} | "
                      f"{speedup_cell(r, 'speedup')} | "
                      f"{r['peak_memory_mb']:.1f} | {memory} | {r['decoder_calls_per_example']:.1f} | "

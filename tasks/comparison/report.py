@@ -116,12 +116,27 @@ def data_name(data: str) -> str:
     return f"the JSONL folder {Path(data).name}" if "/" in data else data
 
 
+def compiled_steps(entry: dict) -> bool:
+    """Whether a row decoded with its steps compiled (its decoder's shared option `compile`)."""
+    return bool(entry.get("options", {}).get("compile", False))
+
+
 def shown_label(entry: dict) -> str:
-    """A row's label as tables and plots show it: marked when its options relax exact verification
-    (`Decoder.inexact`) and when its model did not learn (`judge`)."""
-    marks = [mark for mark, on in (("inexact", entry.get("inexact")),
-                                   ("not learned", entry.get("not_learned"))) if on]
+    """A row's label as tables and plots show it: marked when its steps were compiled (unless its
+    label names `compile`), when its options relax exact verification (`Decoder.inexact`) and when
+    its model did not learn (`judge`)."""
+    marks = [mark for mark, on in (
+        ("compiled", compiled_steps(entry) and "compile=" not in entry["label"]),
+        ("inexact", entry.get("inexact")), ("not learned", entry.get("not_learned"))) if on]
     return entry["label"] + "".join(f" ({mark})" for mark in marks)
+
+
+def steps_caption(rows: list[dict]) -> str:
+    """How a table's caption says whether its rows' decoder steps were compiled (`compiled_steps`)."""
+    compiled = [compiled_steps(r) for r in rows]
+    if not any(compiled):
+        return "decoder steps eager"
+    return "decoder steps compiled" if all(compiled) else "decoder steps eager, compiled where marked"
 
 
 def shown_quality(quality: dict) -> list[str]:
@@ -188,8 +203,8 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join([b["label"], *cells]) + " |")
     flushed = ", denormals flushed to zero" if result["flush_denormal"] else ""
     caption = (f"{result['task']} on {data_name(result['data'])}, model {result['model']}, "
-               f"{result['device']}, {result['threads']} threads{flushed}, eval batch "
-               f"{result['eval_batch_size']}; "
+               f"{result['device']}, {result['threads']} threads{flushed}, "
+               f"{steps_caption(result['rows'])}, eval batch {result['eval_batch_size']}; "
                f"memory = {result['memory']}")
     notes = [f"- {b['label']}: {described(b)}" for b in baselines]
     if baselines:
