@@ -82,7 +82,9 @@ class DecoderCache:
             return positions
         rows = slots.rows.size(0)
         if stored is None or stored.size(1) < slots.width or stored.size(0) != rows:
-            grown = positions.new_zeros(rows, min(self.most_slots, 2 * slots.width))
+            # never narrower than what it holds: a call may attend fewer slots than an earlier one
+            held = 0 if stored is None else stored.size(1)
+            grown = positions.new_zeros(rows, max(held, min(self.most_slots, 2 * slots.width)))
             if stored is not None:
                 grown[:, : stored.size(1)] = stored
             stored = self.positions = grown

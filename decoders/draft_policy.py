@@ -4,6 +4,8 @@ many tokens a row keeps, how many draft tokens each row feeds next (`draft_lengt
 reasons are in docs/decoders.md ("Draft and verify")."""
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import NamedTuple
 
 from datamodules.vocabulary import Choice, Range
@@ -15,38 +17,126 @@ from decoders.base import Option
 FIXED, ADAPTIVE = "fixed", "adaptive"
 DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 
-# The first draft tokens a call's drafts are expected to get accepted, per row of the call, below
-# which it feeds no draft (the decoders' option `min_acceptance`, `Tally.reached`; at batch size 1:
-# the share of the decode's drafts accepted at their first token); 0: every call feeds.
-MIN_ACCEPTANCE = Option(0.0, Range(ge=0, le=1, integer=False,
-                                   note="first draft tokens expected accepted per row of a call"),
+# When a call feeds its drafts (the decoders' option `min_acceptance`, `Tally.reached`): a number,
+# the first draft tokens its drafts are expected to get accepted per row of the call, below which
+# it feeds none (at batch size 1: the share of the decode's drafts accepted at their first token;
+# 0: every call feeds); null (the default), while the draft tokens they are expected to get
+# accepted per row pay for the extra time that feeding them is measured to take (`CallCosts`).
+MIN_ACCEPTANCE = Option(None, Range(ge=0, le=1, integer=False, optional=True,
+                                    note="first draft tokens expected accepted per row of a call; "
+                                         "null: while the tokens they gain pay for their measured "
+                                         "cost"),
                         decode_only=True)
 
 
 class Tally(NamedTuple):
     """Of the drafts a decode's rows offered so far, fed or probed, how many had their first token
-    accepted. A probe checks the first token too, so an unfed draft counts as its fed one would.
-    Before any draft it reaches no threshold: a decode's first drafts are probed, not fed."""
+    accepted, and of the fed ones accepted so, how many tokens they got accepted in all. A probe
+    checks the first token too, so an unfed draft counts as its fed one would. Before any draft it
+    reaches no threshold: a decode's first drafts are probed, not fed (measured, a decode starts
+    from the earlier decodes' tally, `FeedingRecord.prior`)."""
 
-    threshold: float
-    hits: int = 0
-    tries: int = 0
+    threshold: float | None       # `min_acceptance`; None: measured (`FeedingRecord`)
+    hits: float = 0
+    tries: float = 0
+    fed_hits: float = 0           # fed drafts accepted at their first token
+    fed_hits_accepted: float = 0  # the draft tokens those got accepted
 
     def added(self, offers: list[int], accepted: list[int], probes: list[bool | None]) -> "Tally":
         """With a call's rows: what each fed (`offers`) and accepted, and its probe (None: none)."""
         hits, tries = self.hits, self.tries
+        fed_hits, fed_hits_accepted = self.fed_hits, self.fed_hits_accepted
         for offer, taken, probe in zip(offers, accepted, probes):
             if offer or probe is not None:
                 tries += 1
                 hits += bool(taken) if offer else probe
-        return self._replace(hits=hits, tries=tries)
+            if offer and taken:
+                fed_hits += 1
+                fed_hits_accepted += taken
+        return self._replace(hits=hits, tries=tries, fed_hits=fed_hits,
+                             fed_hits_accepted=fed_hits_accepted)
 
-    def reached(self, offering: int, rows: int) -> bool:
-        """Whether a call of `rows` rows, `offering` of which offer a draft, feeds them: whether the
-        first tokens they are expected to get accepted (the tally's share of `offering`) make up
-        at least `threshold` per row of the call. Every row of a call computes a fed column, the
-        rows that offer nothing too."""
-        return self.tries > 0 and offering * self.hits >= self.threshold * self.tries * rows
+    def counts(self) -> tuple[float, ...]:
+        return self[1:]
+
+    def with_counts(self, counts) -> "Tally":
+        return Tally(self.threshold, *counts)
+
+    def reached(self, offering: int, rows: int, extra_cost: float = 0.0) -> bool:
+        """Whether a call of `rows` rows, `offering` of which offer a draft, feeds them. Under a
+        `threshold`: whether the first tokens they are expected to get accepted (the tally's share
+        of `offering`) make up at least `threshold` per row of the call. Measured: whether the
+        draft tokens they are expected to get accepted (those first tokens, times the tokens a fed
+        draft accepted at its first got accepted on average; 1 before any) make up at least
+        `extra_cost` per row, the share of a call's time that feeding them adds. Every row of a
+        call computes a fed column, the rows that offer nothing too."""
+        if self.threshold is not None:
+            return self.tries > 0 and offering * self.hits >= self.threshold * self.tries * rows
+        per_hit = self.fed_hits_accepted / self.fed_hits if self.fed_hits else 1.0
+        return self.tries > 0 and offering * self.hits * per_hit >= extra_cost * self.tries * rows
+
+
+# The latest calls of each fed-token count whose median `CallCosts` keeps.
+CALLS_KEPT = 15
+# At most this many drafts of the earlier decodes weigh in a decode's start (`FeedingRecord.prior`):
+# enough to feed its first drafts where they pay, few enough that its own soon outweigh them.
+PRIOR_TRIES = 8
+
+
+class CallCosts:
+    """What a verify loop's calls cost, measured over its decodes on one device: the seconds of each
+    call and its one host sync, by the tokens it fed (rows x fed columns); per count the median of
+    its latest CALLS_KEPT calls, and through those a least-squares line, seconds against tokens,
+    fitted again after every CALLS_KEPT calls or a count not timed before."""
+
+    def __init__(self):
+        self.seconds: dict[int, deque[float]] = {}
+        self.line: tuple[float, float, float] | None = None   # (slope, intercept, cheapest median)
+        self.since_fit = 0
+
+    def add(self, fed_tokens: int, seconds: float) -> None:
+        if fed_tokens not in self.seconds:
+            self.line = None
+        self.seconds.setdefault(fed_tokens, deque(maxlen=CALLS_KEPT)).append(seconds)
+        self.since_fit += 1
+        if self.since_fit >= CALLS_KEPT:
+            self.line = None
+
+    def extra(self, rows: int, columns: int) -> float:
+        """The share of a call's time that feeding `columns` draft columns beside each of its `rows`
+        rows' newest token adds, by the line; 0 until two counts were timed: a loop learns what
+        feeding costs by feeding."""
+        if len(self.seconds) < 2:
+            return 0.0
+        if self.line is None:
+            medians = {tokens: statistics.median(seconds) for tokens, seconds in self.seconds.items()}
+            slope, intercept = statistics.linear_regression(list(medians), list(medians.values()))
+            self.line, self.since_fit = (max(slope, 0.0), intercept, min(medians.values())), 0
+        slope, intercept, cheapest = self.line
+        # a call never costs less than the cheapest count was measured to
+        return slope * rows * columns / max(intercept + slope * rows, cheapest)
+
+
+class FeedingRecord:
+    """What a drafter measured over its decodes on one device, eagerly or compiled, from which the
+    measured rule (`min_acceptance` null) decides: its calls' costs, and its drafts' tally summed
+    over the decodes."""
+
+    def __init__(self):
+        self.costs = CallCosts()
+        self.drafts = Tally(None)
+
+    def prior(self) -> Tally:
+        """A decode's starting tally: the earlier decodes' shares, weighing as PRIOR_TRIES drafts
+        at most."""
+        scale = min(1.0, PRIOR_TRIES / self.drafts.tries) if self.drafts.tries else 1.0
+        return self.drafts.with_counts(count * scale for count in self.drafts.counts())
+
+    def add(self, decode: Tally, prior: Tally) -> None:
+        """A decode's own drafts: its final tally less the prior it started from."""
+        self.drafts = self.drafts.with_counts(
+            total + end - start
+            for total, end, start in zip(self.drafts.counts(), decode.counts(), prior.counts()))
 
 
 def next_draft_lengths(lengths: list[int], offers: list[int], accepted: list[int],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -25,8 +26,8 @@ import torch
 from decoders.backbone import cross_attention_mask, output_logits, sizes
 from decoders.base import Decoder
 from decoders.cache import DecoderCache, Slots
-from decoders.draft_policy import (ADAPTIVE, FIXED, Tally, counted_positions, fed_offers,
-                                   kept_tokens, next_draft_lengths)
+from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
+                                   fed_offers, kept_tokens, next_draft_lengths)
 from decoders.loop import NOT_PRODUCED, LiveRows, Stopwatch, flat_decode_output, read_back, send
 from decoders.verify_tables import bias_tables
 
@@ -156,7 +157,7 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
     max_new_tokens: int
     top_k: int = 1
     draft_length: str = FIXED
-    min_acceptance: float = 0.0
+    min_acceptance: float | None = None
     # What `draft` reads on the host: None, it drafts on the device from the call's `Verified`
     # alone, before the call's sync, for every row of the call (blockwise); else it drafts after the
     # sync, for the rows that go on, from these and the loop's host values (`HostRows`).
@@ -182,6 +183,12 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
         """The next call's drafts for the rows of `verified`: with `host_reads` None, every row of
         the call (`host` None); else the rows that go on, with their `host` values."""
         raise NotImplementedError
+
+    def feeding_record(self, device: torch.device) -> FeedingRecord:
+        """What this drafter's decodes on `device` (eager, or compiled) measured of feeding drafts:
+        kept with it, so that each decode starts from what the earlier ones measured."""
+        kept = self.__dict__.setdefault("feeding_records", {})
+        return kept.setdefault((device.type, self.compiles()), FeedingRecord())
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
@@ -216,7 +223,7 @@ class OnHost(NamedTuple):
     offers: list[int]             # the draft tokens each row feeds of it
     probes: list[bool]            # the rows that probe its first token instead (`fed_offers`)
     lengths: list[int] | None     # each row's adaptive draft length; None: fixed
-    tally: Tally | None           # where `min_acceptance` > 0
+    tally: Tally | None           # where `min_acceptance` is not 0
     counters: DraftCounters
     drafting: Drafting            # the drafter's state and counters
     batch_calls: int              # calls so far
@@ -236,6 +243,7 @@ class Called(NamedTuple):
     accepted: torch.Tensor | None    # (live,) draft tokens accepted; None where none were fed
     first_end: torch.Tensor | None   # (live,) fed index of the first end token (Q: none); the same
     early: Draft | None              # the next drafts where the drafter drafts on the device
+    started: float = 0.0             # when the call began, on the host clock
 
 
 class CallRead(NamedTuple):
@@ -257,6 +265,10 @@ class VerifyLoop:
         self.drafter, self.model, self.run = drafter, model, drafter.model_step()
         self.bound, self.width = drafter.max_new_tokens, drafter.draft_width
         self.reads = drafter.host_reads
+        # where the loop decides from what feeding costs (`min_acceptance` null): what the
+        # drafter's decodes measured, and the tally this decode starts from
+        self.record = drafter.feeding_record(device) if drafter.min_acceptance is None else None
+        self.prior = None if self.record is None else self.record.prior()
         self.most_slots = self.bound + self.width + 1   # a live row's count < bound, and it writes k slots
         self.table, self.per_queries = bias_tables(model, self.bound, self.width + 1, device)
         # a fed token's position is its slot: the count of the row's tokens before it
@@ -278,9 +290,9 @@ class VerifyLoop:
         starts = torch.full((batch_size, 1), self.drafter.special.start, dtype=torch.long, device=device)
         lengths = [self.width] * batch_size if self.drafter.draft_length == ADAPTIVE else None
         threshold = self.drafter.min_acceptance
+        tally = self.prior if self.prior is not None else Tally(threshold) if threshold else None
         host = OnHost(list(range(batch_size)), [0] * batch_size, drafting.first, [], [], lengths,
-                      Tally(threshold) if threshold > 0 else None, DraftCounters(), drafting, 0, {},
-                      [False] * batch_size)
+                      tally, DraftCounters(), drafting, 0, {}, [False] * batch_size)
         device_part = OnDevice(starts, live, live.index[:, None], live.index, encoder_states, cross_mask,
                                DecoderCache(sizes(self.model.config).layers, self.most_slots), produced)
         return self.fed_next(LoopState(device_part, host), starts, drafting.first)
@@ -289,7 +301,7 @@ class VerifyLoop:
         """One decoder call, every live row's fed tokens at their positions, and on the device what
         each row keeps: its tokens written to `produced` at their output indices, its accepted
         draft tokens and its first end token among them."""
-        device, host = state.device, state.host
+        device, host, started = state.device, state.host, time.perf_counter()
         queries, tables = device.fed.size(1), self.per_queries[device.fed.size(1)]
         highest = max(host.counts)
         if min(host.counts) == highest:   # every row at one count (always at batch size 1)
@@ -308,8 +320,8 @@ class VerifyLoop:
                           device.cache, slots, positions)                            # (live, Q, d_model)
         if queries == 1:   # no row feeds a draft token
             tokens = output_logits(self.model, hidden).argmax(-1)                    # (live, 1)
-            return self.called(state, hidden, tokens, count, slots)
-        return self.checked(state, hidden, count, slots)
+            return self.called(state, hidden, tokens, count, slots)._replace(started=started)
+        return self.checked(state, hidden, count, slots)._replace(started=started)
 
     def checked(self, state: LoopState, hidden: torch.Tensor, count: int | torch.Tensor,
                 slots: Slots) -> Called:
@@ -375,6 +387,8 @@ class VerifyLoop:
     def settle(self, state: LoopState, called: Called) -> LoopState:
         """After a call: its one host sync, the host's decisions, and the next call's rows."""
         read = self.read(state, called)
+        if self.record is not None:   # the call and its sync, by the tokens it fed
+            self.record.costs.add(state.device.fed.numel(), time.perf_counter() - called.started)
         return self.go_on(self.decide(state, called, read), called, read)
 
     def decide(self, state: LoopState, called: Called, read: CallRead) -> LoopState:
@@ -481,7 +495,10 @@ class VerifyLoop:
         it (the draft, the offers, the probes)."""
         host, live = state.host, len(state.host.examples)
         offers = draft.offered if draft.offered is not None else [self.width] * live
-        feeding = host.tally is None or host.tally.reached(sum(offer > 0 for offer in offers), live)
+        # measured: what feeding every offered token adds (the adaptive length feeds fewer)
+        extra_cost = self.record.costs.extra(live, max(offers)) if self.record and max(offers) else 0.0
+        feeding = host.tally is None or host.tally.reached(sum(offer > 0 for offer in offers), live,
+                                                           extra_cost)
         fed_counts, probes = fed_offers(offers, host.lengths, feeding)
         widest = max(fed_counts)
         if widest == 0:
@@ -500,6 +517,8 @@ class VerifyLoop:
     def output(self, state: LoopState):
         """The decode's `DecodeOutput`, from the one read-back of every example's tokens."""
         host = state.host
+        if self.record is not None:
+            self.record.add(host.tally, self.prior)
         read, = read_back(state.device.produced)
         counts, calls = zip(*(host.finished[example] for example in range(len(read))))
         drafter_counters = host.drafting.counters

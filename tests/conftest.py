@@ -34,6 +34,16 @@ from decoders.transformers_internals import set_attention_implementation
 
 VOCAB = 64
 SPECIAL = SpecialTokens(pad=0, eos=1, unk=2, sep=3, mask=4, start=0)
+# A draft-and-verify decoder that feeds every call's drafts (`min_acceptance` 0), not only where
+# feeding was measured to pay: a test's calls then follow from its drafts alone.
+ALWAYS_FEED = {"min_acceptance": 0.0}
+
+
+def always_feeding(name: str) -> dict:
+    """`ALWAYS_FEED` where decoder `name` feeds drafts, else nothing: options for a test that
+    compares the calls of two decodes."""
+    from decoders import decoder_class
+    return ALWAYS_FEED if "min_acceptance" in decoder_class(name).options else {}
 SEED_SHIFT = int(os.environ.get("PIPEDEC_TEST_SEED", "0"))
 
 

@@ -30,7 +30,7 @@ import torch
 
 import decoders.nar
 from decoders import DecodeOutput, build_decoder
-from tests.conftest import SEED_SHIFT, SPECIAL, default_dtype, random_batch, tiny_t5
+from tests.conftest import SEED_SHIFT, SPECIAL, always_feeding, default_dtype, random_batch, tiny_t5
 
 REFERENCE = Path(__file__).parent / "data" / "pinned_outputs.json"
 # The smallest decision margin a kept case may have. The tiny T5's logits are of order 1 to 100,
@@ -108,7 +108,9 @@ def build_case(case: dict):
         model = tiny_t5(case["model_seed"] - SEED_SHIFT,
                         initializer_factor=case["initializer_factor"])
         torch.manual_seed(case["decoder_seed"])
-        decoder = build_decoder(case["decoder"], model.config, SPECIAL, **case["options"]).eval()
+        # every call feeds its drafts: the measured rule's calls would follow the machine's timing
+        decoder = build_decoder(case["decoder"], model.config, SPECIAL,
+                                **{**always_feeding(case["decoder"]), **case["options"]}).eval()
         with torch.no_grad():
             for parameter in decoder.parameters():
                 if not parameter.any():

@@ -15,7 +15,7 @@ from decoders.aggressive import MISMATCH, NEVER, OUTGROWN, REALIGN
 from decoders.backbone import decoder_inputs, encode, output_logits
 from decoders.drafts import Source
 from decoders.nar import MaskPredictDecoder, PredictedOutputs, tokens_to_remask
-from tests.conftest import (SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, greedy_outputs,
+from tests.conftest import (ALWAYS_FEED, SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, greedy_outputs,
                             random_batch, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
@@ -25,7 +25,8 @@ JUNK = 7  # a filler token for scripted drafts past the verifier's output
 
 
 def aggressive(model, drafter, drafter_model, **options):
-    decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, **options)
+    decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND,
+                            **{**ALWAYS_FEED, **options})
     decoder.attach_drafter(drafter, drafter_model)
     return decoder
 
@@ -383,7 +384,8 @@ def test_a_drafter_with_the_verifiers_encoder_drafts_from_its_states():
     runs = encoder_runs(drafter_model)
 
     def decoded(verifier):
-        decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, draft_tokens=3)
+        decoder = build_decoder("aggressive", model.config, SPECIAL, max_new_tokens=BOUND, draft_tokens=3,
+                                **ALWAYS_FEED)
         decoder.attach_drafter(drafter, drafter_model, verifier=verifier)
         runs.clear()
         out = decoder.generate(model, input_ids, attention_mask)

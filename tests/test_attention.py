@@ -14,7 +14,7 @@ from decoders.cache import DecoderCache, Slots
 from decoders.verify_tables import bias_tables
 from decoders.transformers_internals import bias_owner, set_attention_implementation
 from tasks.bench import bounded, with_drafter
-from tests.conftest import SPECIAL, random_batch, tiny_t5
+from tests.conftest import SPECIAL, always_feeding, random_batch, tiny_t5
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
 
@@ -91,7 +91,8 @@ def test_every_decoder_decodes_the_same_under_eager_and_sdpa(name):
     eager = tiny_t5(1)
     # every length/step bound at 10: enough for several subsequences, quick on a random model
     bounds = bounded(name, 10)
-    decoder = with_drafter(build_decoder(name, eager.config, SPECIAL, **bounds), eager)
+    decoder = with_drafter(build_decoder(name, eager.config, SPECIAL, **bounds, **always_feeding(name)),
+                           eager)
     input_ids, attention_mask = random_batch(6, seed=8)
     reference = decoder.generate(eager, input_ids, attention_mask)
     out = decoder.generate(under(eager, "sdpa"), input_ids, attention_mask)

@@ -12,7 +12,7 @@ from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
-from tests.conftest import (SPECIAL, VOCAB, assert_alone_equals_batched, assert_drafts_counted,
+from tests.conftest import (ALWAYS_FEED, SPECIAL, VOCAB, assert_alone_equals_batched, assert_drafts_counted,
                             assert_same_output, briefly_trained, first_batch_where, random_batch, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
@@ -21,7 +21,7 @@ EOS = SPECIAL.eos
 
 
 def blockwise(model, **options):
-    return build_decoder("blockwise", model.config, SPECIAL, **options)
+    return build_decoder("blockwise", model.config, SPECIAL, **{**ALWAYS_FEED, **options})
 
 
 def randomise_heads(decoder, seed):
@@ -57,7 +57,7 @@ def test_matches_sequential_on_random_models(seed, block_size, random_heads):
 def trained():
     """A tiny T5 and blockwise heads trained together briefly with the blockwise loss."""
     model = tiny_t5(0, initializer_factor=1.0)  # T5's own init scale: heads that learn to propose
-    decoder = build_decoder("blockwise", model.config, SPECIAL, max_new_tokens=20)
+    decoder = build_decoder("blockwise", model.config, SPECIAL, max_new_tokens=20, **ALWAYS_FEED)
     model = briefly_trained(decoder, model=model)
     return model, decoder.eval()
 
@@ -513,7 +513,7 @@ def test_yaml_options_are_the_constructor_arguments():
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"block_size": 4, "freeze_backbone": False, "top_k": 1,
                        "max_new_tokens": cfg.data.max_target_length, "draft_length": "fixed",
-                       "min_acceptance": 0.0, "compile": False}
+                       "min_acceptance": None, "compile": False}
     decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, **options)
     assert decoder.block_size == 4 and len(decoder.heads) == 3
 

@@ -115,6 +115,10 @@ def test_a_row_name_carries_decoder_settings_as_row_labels_write_them():
     assert row_settings("lookup") == ("lookup", [])
     cfg = plan("keyphrase", ["nar"], None, [], {"decoder.iterations": ["2"]})[0][0]
     assert row_settings(row_label(cfg, ["iterations"])) == ("nar", ["decoder.iterations=2"])
+    # a null value as the configuration writes it, so that the label decodes with it again
+    cfg = plan("keyphrase", ["lookup"], None, [], {"decoder.min_acceptance": ["null"]})[0][0]
+    assert cfg.decoder.min_acceptance is None and row_label(cfg, ["min_acceptance"]) == "lookup(min_acceptance=null)"
+    assert compose("keyphrase", "lookup", None, row_settings("lookup(min_acceptance=null)")[1]).decoder.min_acceptance is None
     # the `=` inside the settings is not the one before the path, nor one inside the path
     assert parse_checkpoints(["aggressive(redraft=outgrown)=runs/a=b.ckpt", "lookup=x(1).ckpt",
                               "sequential=y).ckpt"]) == {

@@ -16,7 +16,8 @@ from decoders.sequential import ATTENDED_SLOTS_STEP, rows_past_bucket
 from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
 from tasks.config import ConfigError, compose
-from tests.conftest import SPECIAL, assert_same_output, first_batch_where, random_batch, tiny_t5
+from tests.conftest import (SPECIAL, always_feeding, assert_same_output, first_batch_where, random_batch,
+                            tiny_t5)
 from tests.families import family_batch, family_special, tiny_family_model
 
 pytestmark = pytest.mark.float64
@@ -87,7 +88,8 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
 
     def decoded(compile: bool, input_ids, attention_mask):
         torch.manual_seed(0)   # blockwise's heads and nar's own modules: the same weights both times
-        decoder = build_decoder(name, model.config, SPECIAL, compile=compile, **bounded(name, 16))
+        decoder = build_decoder(name, model.config, SPECIAL, compile=compile, **bounded(name, 16),
+                                **always_feeding(name))
         return decoder.eval().generate(model, input_ids, attention_mask)
 
     def rows_end_apart(input_ids, attention_mask):

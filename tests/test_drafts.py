@@ -17,14 +17,15 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
-from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, Tally, call_width,
+from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, PRIOR_TRIES, CallCosts,
+                                   FeedingRecord, Tally, call_width,
                                    counted_positions, fed_offers, next_draft_lengths)
 from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
 from decoders.verify_tables import bias_tables
 from decoders.sequential import SequentialDecoder
 from decoders.loop import send, split_flat_output
 from tasks.bench import bounded, with_drafter
-from tests.conftest import (SPECIAL, assert_drafts_counted, assert_same_output, briefly_trained,
+from tests.conftest import (ALWAYS_FEED, SPECIAL, assert_drafts_counted, assert_same_output, briefly_trained,
                             first_batch_where, greedy_outputs, sequential, tiny_t5)
 
 pytestmark = [pytest.mark.float64, pytest.mark.numerics]  # see tests/conftest.py
@@ -68,7 +69,7 @@ def trained(name: str):
     a model trained with the sequential loss, and one that drafts with another decoder's model
     (aggressive) a drafter of that kind trained on the same task."""
     model = tiny_t5(0, initializer_factor=1.0)  # T5's own init scale: a model that learns the task
-    decoder = build_decoder(name, model.config, SPECIAL, **bounded(name, BOUND))
+    decoder = build_decoder(name, model.config, SPECIAL, **ALWAYS_FEED, **bounded(name, BOUND))
     learns = decoder if type(decoder).loss is not Decoder.loss else sequential(model, BOUND)
     model = briefly_trained(learns, model=model)
     kind = decoder_class(name).drafts_with
@@ -227,6 +228,76 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
     assert all(feeding) and gated.stats["draft_tokens_offered"] < always.stats["draft_tokens_offered"]
 
 
+def synthetic_costs(monkeypatch, seconds) -> list[int]:
+    """Every timed call recorded at `seconds(fed tokens)` instead of the host clock's reading, so
+    that a test decides what feeding costs; returns the fed-token counts timed, in order."""
+    timed: list[int] = []
+    add = CallCosts.add
+
+    def adding(self, fed_tokens, _seconds):
+        timed.append(fed_tokens)
+        add(self, fed_tokens, seconds(fed_tokens))
+    monkeypatch.setattr(CallCosts, "add", adding)
+    return timed
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_measured_drafts_are_fed_where_they_pay_for_their_cost(monkeypatch, on_host):
+    """Measured (`min_acceptance` null, the default): each call is timed by the tokens it fed, and
+    a decode feeds drafts that always pass while the tokens they gain (2 per row) pay for what
+    feeding was measured to add, starting from what the earlier decodes measured; where feeding
+    costs more than they gain it stops once measured. The output stays greedy either way."""
+    model = tiny_t5(0)
+    feeding, fed = recorded_feeds(monkeypatch)
+    costly = {"on": False}   # then a call that feeds (more than 3 tokens) takes 100 s, else 1 s
+    timed = synthetic_costs(monkeypatch, lambda tokens: 100.0 if costly["on"] and tokens > 3 else 1.0)
+    decoder, input_ids, attention_mask = knowing_drafter(model, 16, right_until=BOUND, on_host=on_host)
+    assert decoder.min_acceptance is None
+    first = assert_greedy(decoder, model, input_ids, attention_mask)
+    # the start tokens (3 rows x 1), then the first drafts probed, then fed (3 rows x 3)
+    assert timed[:3] == [3, 3, 9] and feeding[:3] == [False, False, True]
+    assert first.stats["draft_tokens_accepted"] > 0
+    # free to feed: the next decode feeds its first drafts, from the earlier decode's tally
+    feeding.clear(), fed.clear()
+    assert_greedy(decoder, model, input_ids, attention_mask)
+    assert feeding[1] and fed[1] == 6
+    costly["on"] = True
+    for _ in range(6):   # until the costly calls outnumber the free ones at each count
+        out = assert_greedy(decoder, model, input_ids, attention_mask)
+        if out.stats["draft_tokens_offered"] == 0:
+            break
+    assert out.stats["draft_tokens_offered"] == 0 and decoder.feeding_record(input_ids.device).costs.extra(3, 2) > 2
+    feeding.clear(), fed.clear()
+    assert_greedy(decoder, model, input_ids, attention_mask)
+    assert sum(fed) == 0 and not any(feeding[1:])   # the first call has no draft to feed
+
+
+def test_call_costs_are_a_line_through_each_counts_median():
+    costs = CallCosts()
+    costs.add(1, 1.5)
+    assert costs.extra(1, 4) == 0.0                     # one count timed: not known yet, feed
+    for tokens, seconds in ((1, 1.5), (1, 90.0), (5, 3.5), (5, 3.5), (3, 2.5)):   # 90: compiling
+        costs.add(tokens, seconds)
+    # seconds = 1 + 0.5 x tokens through the medians: 4 columns at 1 row add 2 to 1.5
+    assert costs.extra(1, 4) == pytest.approx(2 / 1.5)
+    assert costs.extra(2, 1) == pytest.approx(1 / 2)    # 2 rows: 1 more over 2
+
+
+def test_a_decode_starts_from_the_earlier_decodes_tally_weighed_as_a_few_drafts():
+    record = FeedingRecord()
+    assert record.prior() == Tally(None)                # nothing yet: its first drafts are probed
+    prior = record.prior()
+    decode = prior.added([2, 0], [2, 0], [None, True]) # fed 2 (both taken), probed a right token
+    record.add(decode, prior)
+    assert record.drafts == Tally(None, hits=2, tries=2, fed_hits=1, fed_hits_accepted=2)
+    for _ in range(9):   # 20 tries of which 20 hits, 10 fed: weighed as PRIOR_TRIES tries
+        record.add(decode, Tally(None))
+    start = record.prior()
+    assert start.tries == pytest.approx(PRIOR_TRIES) and start.hits == pytest.approx(PRIOR_TRIES)
+    assert start.fed_hits_accepted / start.fed_hits == pytest.approx(2.0)
+    assert start.reached(1, 1, extra_cost=2.0) and not start.reached(1, 1, extra_cost=2.1)
+
+
 @pytest.mark.parametrize("offering,feeds", [({0}, False), ({0, 1}, True)])
 def test_a_call_feeds_drafts_only_where_enough_of_its_rows_offer_one(monkeypatch, offering, feeds):
     """Every row of a call computes a fed column: with min_acceptance 0.5 and drafts that always
@@ -263,6 +334,7 @@ class RepeatingDrafter(DraftAndVerifyDecoder):
     layout, loss = SequentialDecoder.layout, SequentialDecoder.loss
     options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH}
     draft_width = 2
+    min_acceptance = ALWAYS_FEED["min_acceptance"]   # not an option of its own: every call feeds
 
     def draft(self, model, state, verified, host) -> Draft:
         return Draft(verified.next_token.repeat(1, 2), offered=None)
@@ -369,6 +441,16 @@ def test_the_cache_holds_each_rows_token_at_its_position_through_every_kind_of_c
     call([6, 6], 1)          # a one-token call right after
     call([7, 7], 3)          # a draft of 2 at one count
     call([9, 8], 4)          # different counts again, the buffer growing past what it held
+
+
+def test_the_cache_keeps_every_position_when_a_call_attends_fewer_slots_than_the_last():
+    # A family that reads its keys' positions (UMT5): a wide first call at one count (a first
+    # draft of 9), then the rows at different counts in a call attending fewer slots than it held.
+    cache = DecoderCache(1, most_slots=32)
+    assert cache.write_positions(Slots(start=0), torch.arange(10)[None]).tolist() == [list(range(10))]
+    counts = torch.tensor([[2], [2], [3]])
+    attended = cache.write_positions(Slots(each=counts, rows=torch.arange(3)[:, None], width=4), counts)
+    assert attended.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
 
 
 def test_the_readmes_drafter_is_one_class_that_decodes_greedily():

@@ -24,7 +24,7 @@ from tasks.config import ConfigError, compose
 from tasks.module import Evaluation
 from tasks.runs.checkpoints import SafeCheckpointIO
 from tasks.runs.trainer import build, evaluate_test, make_trainer, train_and_test
-from tests.conftest import SPECIAL
+from tests.conftest import SPECIAL, always_feeding
 from tests.test_end_to_end import TINY, run_artifact_rows, tracking, weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,9 @@ DDP_DATA = ["data.train_size=33", "data.validation_size=5", "data.test_size=7",
 @pytest.mark.parametrize("decoder", ["sequential", "pipelined", "blockwise", "nar"])
 def test_ddp_two_processes_score_like_one(decoder, tmp_path):
     args = ["--task", "summarization", "--decoder", decoder, *TINY, *DDP_DATA, *tracking(tmp_path),
-            "trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu"]
+            "trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu",
+            # every call feeds its drafts: the measured rule's calls follow each process's timing
+            *(f"decoder.{k}={v}" for k, v in always_feeding(decoder).items())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "tasks.fit", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -315,8 +317,9 @@ DECODER_BAD_VALUES = [
        "decoder.draft_length must be one of 'fixed', 'adaptive', got 'sometimes'")
       for name in ("lookup", "blockwise", "aggressive")],
     *[(name, "decoder.min_acceptance=1.5",
-       "decoder.min_acceptance must be a finite number >= 0 and <= 1 (first draft tokens expected "
-       "accepted per row of a call), got 1.5")
+       "decoder.min_acceptance must be a finite number >= 0 and <= 1 or null (first draft tokens "
+       "expected accepted per row of a call; null: while the tokens they gain pay for their measured "
+       "cost), got 1.5")
       for name in ("lookup", "blockwise", "aggressive")],
     ("lookup", "decoder.draft_tokens=0",
      "decoder.draft_tokens must be an integer >= 1 (source tokens offered per call), got 0"),

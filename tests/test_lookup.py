@@ -14,7 +14,7 @@ from decoders.drafts import HostRows, Source, Verified
 from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
-from tests.conftest import (SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, first_batch_where,
+from tests.conftest import (ALWAYS_FEED, SPECIAL, VOCAB, assert_drafts_counted, assert_same_output, first_batch_where,
                             greedy_outputs, random_batch, sequential, tiny_t5)
 from tests.test_blockwise import CHAIN, rigged_model
 
@@ -24,7 +24,7 @@ EOS, SEP = SPECIAL.eos, SPECIAL.sep
 
 
 def lookup(model, **options):
-    return build_decoder("lookup", model.config, SPECIAL, **options)
+    return build_decoder("lookup", model.config, SPECIAL, **{**ALWAYS_FEED, **options})
 
 
 def sources(input_ids, attention_mask) -> list[list[int]]:
@@ -350,7 +350,7 @@ def test_yaml_options_are_the_constructor_arguments():
     cfg = compose(task="keyphrase", decoder="lookup")
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"draft_tokens": 4, "match": 1, "max_new_tokens": cfg.data.max_target_length,
-                       "draft_length": "fixed", "min_acceptance": 0.0, "compile": False}
+                       "draft_length": "fixed", "min_acceptance": None, "compile": False}
     decoder = build_decoder("lookup", tiny_t5(0).config, SPECIAL, **options)
     assert (decoder.draft_width, decoder.match) == (4, 1)
     assert set(decoder_class("lookup").decode_only_options()) == set(options)

@@ -46,7 +46,7 @@ def row_label(cfg: DictConfig, swept: list[str]) -> str:
 
 def settings_label(name: str, settings: dict) -> str:
     """A decoder's `name` with decoder `settings` (option -> value), as row labels write them."""
-    written = ",".join(f"{key}={value}" for key, value in settings.items())
+    written = ",".join(f"{key}={'null' if value is None else value}" for key, value in settings.items())
     return f"{name}({written})" if written else name
 
 
