@@ -53,7 +53,7 @@ from decoders import register
 from datamodules.vocabulary import Choice, Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import cross_attention_mask, encode, same_encoder
-from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.draft_policy import ALWAYS_MIN_ACCEPTANCE, DRAFT_LENGTH
 from decoders.drafts import (Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source,
                              Verified)
 from decoders.loop import Stopwatch, read_back, send
@@ -136,7 +136,7 @@ class AggressiveDecoder(DraftAndVerifyDecoder[Drafts]):
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
                "draft_length": DRAFT_LENGTH,
-               "min_acceptance": MIN_ACCEPTANCE,
+               "min_acceptance": ALWAYS_MIN_ACCEPTANCE,
                "drafter_iterations": Option(None, Range(ge=1, optional=True,
                                                         note="null: the drafter's own iterations"),
                                             decode_only=True),

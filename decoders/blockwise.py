@@ -34,7 +34,7 @@ from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import (at_least_float32, encode, output_logits, sizes, teacher_forced_states,
                                with_frozen_weights)
-from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.draft_policy import ALWAYS_MIN_ACCEPTANCE, DRAFT_LENGTH
 from decoders.drafts import Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
 
@@ -98,7 +98,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
                "draft_length": DRAFT_LENGTH,
-               "min_acceptance": MIN_ACCEPTANCE}
+               "min_acceptance": ALWAYS_MIN_ACCEPTANCE}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)

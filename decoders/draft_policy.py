@@ -1,7 +1,8 @@
 """What the verify loop decides on the host, from the values a call's one host sync reads: how
 many tokens a row keeps, how many draft tokens each row feeds next (`draft_length`,
-`min_acceptance`) and which rows probe their draft instead. Pure functions of host ints; the
-reasons are in docs/decoders.md ("Draft and verify")."""
+`min_acceptance`) and which rows probe their draft instead. Pure functions of host ints, and
+what the measured feeding rule keeps of a decoder's decodes (`FeedingRecord`); the reasons are in
+docs/decoders.md ("Draft and verify")."""
 from __future__ import annotations
 
 import statistics
@@ -20,13 +21,15 @@ DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 # When a call feeds its drafts (the decoders' option `min_acceptance`, `Tally.reached`): a number,
 # the first draft tokens its drafts are expected to get accepted per row of the call, below which
 # it feeds none (at batch size 1: the share of the decode's drafts accepted at their first token;
-# 0: every call feeds); null (the default), while the draft tokens they are expected to get
-# accepted per row pay for the extra time that feeding them is measured to take (`CallCosts`).
-MIN_ACCEPTANCE = Option(None, Range(ge=0, le=1, integer=False, optional=True,
-                                    note="first draft tokens expected accepted per row of a call; "
-                                         "null: while the tokens they gain pay for their measured "
-                                         "cost"),
-                        decode_only=True)
+# 0: every call feeds); null, while the draft tokens they are expected to get accepted per row pay
+# for the extra time that feeding them is measured to take (`CallCosts`). Lookup's default is null;
+# blockwise's and aggressive's is 0: on the built-in tasks blockwise was faster feeding every call
+# (results/builtin_*_feeding_rule.md), and aggressive was not measured under the rule.
+ALLOWED_MIN_ACCEPTANCE = Range(ge=0, le=1, integer=False, optional=True,
+                               note="first draft tokens expected accepted per row of a call; null: "
+                                    "while the tokens they gain pay for their measured cost")
+MEASURED_MIN_ACCEPTANCE = Option(None, ALLOWED_MIN_ACCEPTANCE, decode_only=True)
+ALWAYS_MIN_ACCEPTANCE = Option(0.0, ALLOWED_MIN_ACCEPTANCE, decode_only=True)
 
 
 class Tally(NamedTuple):

@@ -157,7 +157,7 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
     max_new_tokens: int
     top_k: int = 1
     draft_length: str = FIXED
-    min_acceptance: float | None = None
+    min_acceptance: float | None = 0.0   # a drafter without the option feeds every call
     # What `draft` reads on the host: None, it drafts on the device from the call's `Verified`
     # alone, before the call's sync, for every row of the call (blockwise); else it drafts after the
     # sync, for the rows that go on, from these and the loop's host values (`HostRows`).

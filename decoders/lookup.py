@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.draft_policy import DRAFT_LENGTH, MIN_ACCEPTANCE
+from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE
 from decoders.drafts import Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source, Verified
 from decoders.loop import read_back
 from decoders.sequential import SequentialDecoder
@@ -60,7 +60,7 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
                                decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
                "draft_length": DRAFT_LENGTH,
-               "min_acceptance": MIN_ACCEPTANCE}
+               "min_acceptance": MEASURED_MIN_ACCEPTANCE}
 
     # The sequential layout and loss, shared rather than copied: those of the model it decodes
     # (tasks never fit this decoder, `trains_nothing`; a test may train a model with them).

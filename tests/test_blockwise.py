@@ -513,7 +513,7 @@ def test_yaml_options_are_the_constructor_arguments():
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"block_size": 4, "freeze_backbone": False, "top_k": 1,
                        "max_new_tokens": cfg.data.max_target_length, "draft_length": "fixed",
-                       "min_acceptance": None, "compile": False}
+                       "min_acceptance": 0.0, "compile": False}
     decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, **options)
     assert decoder.block_size == 4 and len(decoder.heads) == 3
 

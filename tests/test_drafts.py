@@ -17,9 +17,9 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
-from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MIN_ACCEPTANCE, PRIOR_TRIES, CallCosts,
-                                   FeedingRecord, Tally, call_width,
-                                   counted_positions, fed_offers, next_draft_lengths)
+from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES,
+                                   CallCosts, FeedingRecord, Tally, call_width, counted_positions,
+                                   fed_offers, next_draft_lengths)
 from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
 from decoders.verify_tables import bias_tables
 from decoders.sequential import SequentialDecoder
@@ -155,7 +155,7 @@ class KnowingDrafter(DraftAndVerifyDecoder):
     trains_nothing = True
     layout, loss = SequentialDecoder.layout, SequentialDecoder.loss
     options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH,
-               "min_acceptance": MIN_ACCEPTANCE}
+               "min_acceptance": MEASURED_MIN_ACCEPTANCE}
     draft_width = 2
     host_reads = HostReads()
 
@@ -334,7 +334,6 @@ class RepeatingDrafter(DraftAndVerifyDecoder):
     layout, loss = SequentialDecoder.layout, SequentialDecoder.loss
     options = {"max_new_tokens": OUTPUT_BOUND, "draft_length": DRAFT_LENGTH}
     draft_width = 2
-    min_acceptance = ALWAYS_FEED["min_acceptance"]   # not an option of its own: every call feeds
 
     def draft(self, model, state, verified, host) -> Draft:
         return Draft(verified.next_token.repeat(1, 2), offered=None)
