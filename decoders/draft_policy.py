@@ -60,9 +60,11 @@ class Tally(NamedTuple):
                              fed_hits_accepted=fed_hits_accepted)
 
     def counts(self) -> tuple[float, ...]:
+        """Every count, in field order (all but `threshold`)."""
         return self[1:]
 
     def with_counts(self, counts) -> "Tally":
+        """The same threshold, with `counts` (as `counts` gives them)."""
         return Tally(self.threshold, *counts)
 
     def reached(self, offering: int, rows: int, extra_cost: float = 0.0) -> bool:

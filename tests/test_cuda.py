@@ -17,7 +17,7 @@ from decoders import available, build_decoder
 from decoders.loop import Stopwatch, send, split_flat_output
 from tasks import fit, test as test_command
 from tasks.bench import bounded, with_drafter
-from tests.conftest import SPECIAL, first_batch_where, tiny_t5
+from tests.conftest import SPECIAL, always_feeding, first_batch_where, tiny_t5
 from tests.test_end_to_end import TINY, tracking
 from tests.test_faults import REPO
 from tests.plain_pipelined import reference_decode
@@ -32,7 +32,8 @@ GPU_FIT = ["trainer.accelerator=gpu", "trainer.devices=1"]
 
 
 def decoder_on(name: str, model, **options):
-    options = {**bounded(name, STEPS), **options}
+    # every call feeds its drafts: the measured rule's calls would follow each device's timing
+    options = {**bounded(name, STEPS), **always_feeding(name), **options}
     return with_drafter(build_decoder(name, model.config, SPECIAL, **options), model).eval()
 
 
