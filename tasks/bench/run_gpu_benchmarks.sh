@@ -28,6 +28,8 @@ RUNS=${RUNS:-mlruns/gpu}
 EXAMPLES=${EXAMPLES:-64}
 SINGLE=${SINGLE:-16}
 PRECISIONS=${PRECISIONS:-fp32 bf16}
+# peers' optional rows: compiled sequential and pipelined, CTranslate2 (needs pip install -e ".[bench]")
+PEERS_ROWS=${PEERS_ROWS:---compiled --ctranslate2}
 # t5-small's shape (Raffel et al.), from random weights, with the library's locally trained tokenizer
 SMALL="model.d_model=512 model.d_ff=2048 model.d_kv=64 model.num_heads=8 model.num_layers=6
        model.num_decoder_layers=6 model.lr=${LR:-5e-4}"
@@ -82,8 +84,9 @@ peers_task() {  # tasks.bench.peers in each precision, likewise
     read -r s p b n <<< "$(checkpoints "$task" | tr '\n' ' ')"
     mkdir -p results/gpu
     for precision in $PRECISIONS; do
-        python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --batch-size 64 \
-            --precision $precision --repeats 3 --examples "$EXAMPLES" --single-examples "$SINGLE" \
+        python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --pipelined "$p" $PEERS_ROWS \
+            --batch-size 64 --precision $precision --repeats 3 --examples "$EXAMPLES" \
+            --single-examples "$SINGLE" \
             --out "results/gpu/peers_${task}_$precision.json" || failed=1
     done
     return $failed
