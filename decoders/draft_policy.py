@@ -9,6 +9,8 @@ import statistics
 from collections import deque
 from typing import NamedTuple
 
+import torch
+
 from datamodules.vocabulary import Choice, Range
 from decoders.base import Option
 
@@ -24,7 +26,8 @@ DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 # 0: every call feeds); null, while the draft tokens they are expected to get accepted per row pay
 # for the extra time that feeding them is measured to take (`CallCosts`). Lookup's default is null;
 # blockwise's and aggressive's is 0: on the built-in tasks blockwise was faster feeding every call
-# (results/builtin_*_feeding_rule.md), and aggressive was not measured under the rule.
+# at batch size 1 and as fast at 16 (results/builtin_*_feeding_rule.md), and aggressive was not
+# measured under the rule.
 ALLOWED_MIN_ACCEPTANCE = Range(ge=0, le=1, integer=False, optional=True,
                                note="first draft tokens expected accepted per row of a call; null: "
                                     "while the tokens they gain pay for their measured cost")
@@ -81,7 +84,7 @@ class Tally(NamedTuple):
         return self.tries > 0 and offering * self.hits * per_hit >= extra_cost * self.tries * rows
 
 
-# The latest calls of each fed-token count whose median `CallCosts` keeps.
+# The latest calls of each shape whose median `CallCosts` keeps.
 CALLS_KEPT = 15
 # At most this many drafts of the earlier decodes weigh in a decode's start (`FeedingRecord.prior`):
 # enough to feed its first drafts where they pay, few enough that its own soon outweigh them.
@@ -90,36 +93,43 @@ PRIOR_TRIES = 8
 
 class CallCosts:
     """What a verify loop's calls cost, measured over its decodes on one device: the seconds of each
-    call and its one host sync, by the tokens it fed (rows x fed columns); per count the median of
-    its latest CALLS_KEPT calls, and through those a least-squares line, seconds against tokens,
-    fitted again after every CALLS_KEPT calls or a count not timed before."""
+    call and its one host sync, by its shape (rows, and tokens fed per row: the newest and the
+    draft columns); per shape the median of its latest CALLS_KEPT calls, and through those a
+    least-squares fit of seconds = a + b·rows + c·rows·tokens per row (a call's own cost, a row's,
+    a fed token's), fitted again after every CALLS_KEPT calls or a shape not timed before. Rows and
+    fed tokens are fitted apart: a batch's calls grow cheaper as its rows end, which is not what
+    feeding costs."""
 
     def __init__(self):
-        self.seconds: dict[int, deque[float]] = {}
-        self.line: tuple[float, float, float] | None = None   # (slope, intercept, cheapest median)
+        self.seconds: dict[tuple[int, int], deque[float]] = {}
+        self.fit: tuple[float, float, float, float] | None = None   # (a, b, c, cheapest median)
         self.since_fit = 0
 
-    def add(self, fed_tokens: int, seconds: float) -> None:
-        if fed_tokens not in self.seconds:
-            self.line = None
-        self.seconds.setdefault(fed_tokens, deque(maxlen=CALLS_KEPT)).append(seconds)
+    def add(self, rows: int, queries: int, seconds: float) -> None:
+        if (rows, queries) not in self.seconds:
+            self.fit = None
+        self.seconds.setdefault((rows, queries), deque(maxlen=CALLS_KEPT)).append(seconds)
         self.since_fit += 1
         if self.since_fit >= CALLS_KEPT:
-            self.line = None
+            self.fit = None
 
     def extra(self, rows: int, columns: int) -> float:
         """The share of a call's time that feeding `columns` draft columns beside each of its `rows`
-        rows' newest token adds, by the line; 0 until two counts were timed: a loop learns what
+        rows' newest token adds, by the fit; 0 until two shapes were timed: a loop learns what
         feeding costs by feeding."""
         if len(self.seconds) < 2:
             return 0.0
-        if self.line is None:
-            medians = {tokens: statistics.median(seconds) for tokens, seconds in self.seconds.items()}
-            slope, intercept = statistics.linear_regression(list(medians), list(medians.values()))
-            self.line, self.since_fit = (max(slope, 0.0), intercept, min(medians.values())), 0
-        slope, intercept, cheapest = self.line
-        # a call never costs less than the cheapest count was measured to
-        return slope * rows * columns / max(intercept + slope * rows, cheapest)
+        if self.fit is None:
+            shapes = list(self.seconds)
+            medians = [statistics.median(self.seconds[shape]) for shape in shapes]
+            terms = torch.tensor([[1.0, r, r * q] for r, q in shapes], dtype=torch.float64)
+            # least squares that copes with shapes of one row count only (batch size 1)
+            a, b, c = torch.linalg.lstsq(terms, torch.tensor(medians, dtype=torch.float64)[:, None],
+                                         driver="gelsd").solution.view(-1).tolist()
+            self.fit, self.since_fit = (a, b, max(c, 0.0), min(medians)), 0
+        a, b, c, cheapest = self.fit
+        # a call never costs less than the cheapest shape was measured to
+        return c * rows * columns / max(a + b * rows + c * rows, cheapest)
 
 
 class FeedingRecord:

@@ -387,8 +387,8 @@ class VerifyLoop:
     def settle(self, state: LoopState, called: Called) -> LoopState:
         """After a call: its one host sync, the host's decisions, and the next call's rows."""
         read = self.read(state, called)
-        if self.record is not None:   # the call and its sync, by the tokens it fed
-            self.record.costs.add(state.device.fed.numel(), time.perf_counter() - called.started)
+        if self.record is not None:   # the call and its sync, by its rows and fed tokens per row
+            self.record.costs.add(*state.device.fed.shape, time.perf_counter() - called.started)
         return self.go_on(self.decide(state, called, read), called, read)
 
     def decide(self, state: LoopState, called: Called, read: CallRead) -> LoopState:

@@ -228,15 +228,15 @@ def test_drafts_accepted_too_rarely_are_probed_not_fed(monkeypatch, on_host):
     assert all(feeding) and gated.stats["draft_tokens_offered"] < always.stats["draft_tokens_offered"]
 
 
-def synthetic_costs(monkeypatch, seconds) -> list[int]:
-    """Every timed call recorded at `seconds(fed tokens)` instead of the host clock's reading, so
-    that a test decides what feeding costs; returns the fed-token counts timed, in order."""
-    timed: list[int] = []
+def synthetic_costs(monkeypatch, seconds) -> list[tuple[int, int]]:
+    """Every timed call recorded at `seconds(rows, tokens fed per row)` instead of the host clock's
+    reading, so that a test decides what feeding costs; returns the shapes timed, in order."""
+    timed: list[tuple[int, int]] = []
     add = CallCosts.add
 
-    def adding(self, fed_tokens, _seconds):
-        timed.append(fed_tokens)
-        add(self, fed_tokens, seconds(fed_tokens))
+    def adding(self, rows, queries, _seconds):
+        timed.append((rows, queries))
+        add(self, rows, queries, seconds(rows, queries))
     monkeypatch.setattr(CallCosts, "add", adding)
     return timed
 
@@ -249,13 +249,13 @@ def test_measured_drafts_are_fed_where_they_pay_for_their_cost(monkeypatch, on_h
     costs more than they gain it stops once measured. The output stays greedy either way."""
     model = tiny_t5(0)
     feeding, fed = recorded_feeds(monkeypatch)
-    costly = {"on": False}   # then a call that feeds (more than 3 tokens) takes 100 s, else 1 s
-    timed = synthetic_costs(monkeypatch, lambda tokens: 100.0 if costly["on"] and tokens > 3 else 1.0)
+    costly = {"on": False}   # then a call that feeds drafts takes 100 s, else 1 s
+    timed = synthetic_costs(monkeypatch, lambda rows, queries: 100.0 if costly["on"] and queries > 1 else 1.0)
     decoder, input_ids, attention_mask = knowing_drafter(model, 16, right_until=BOUND, on_host=on_host)
     assert decoder.min_acceptance is None
     first = assert_greedy(decoder, model, input_ids, attention_mask)
     # the start tokens (3 rows x 1), then the first drafts probed, then fed (3 rows x 3)
-    assert timed[:3] == [3, 3, 9] and feeding[:3] == [False, False, True]
+    assert timed[:3] == [(3, 1), (3, 1), (3, 3)] and feeding[:3] == [False, False, True]
     assert first.stats["draft_tokens_accepted"] > 0
     # free to feed: the next decode feeds its first drafts, from the earlier decode's tally
     feeding.clear(), fed.clear()
@@ -272,15 +272,21 @@ def test_measured_drafts_are_fed_where_they_pay_for_their_cost(monkeypatch, on_h
     assert sum(fed) == 0 and not any(feeding[1:])   # the first call has no draft to feed
 
 
-def test_call_costs_are_a_line_through_each_counts_median():
+def test_call_costs_fit_a_calls_rows_and_its_fed_tokens_apart():
     costs = CallCosts()
-    costs.add(1, 1.5)
-    assert costs.extra(1, 4) == 0.0                     # one count timed: not known yet, feed
-    for tokens, seconds in ((1, 1.5), (1, 90.0), (5, 3.5), (5, 3.5), (3, 2.5)):   # 90: compiling
-        costs.add(tokens, seconds)
-    # seconds = 1 + 0.5 x tokens through the medians: 4 columns at 1 row add 2 to 1.5
-    assert costs.extra(1, 4) == pytest.approx(2 / 1.5)
-    assert costs.extra(2, 1) == pytest.approx(1 / 2)    # 2 rows: 1 more over 2
+    costs.add(1, 1, 1.75)
+    assert costs.extra(1, 4) == 0.0                     # one shape timed: not known yet, feed
+    costs.add(1, 1, 90.0)                               # a call that compiled: its median ignores it
+    costs.add(1, 1, 1.75)
+    for queries in (5, 3):   # seconds = 1.5 + 0.25 x tokens at batch size 1
+        costs.add(1, queries, 1.5 + 0.25 * queries)
+    assert costs.extra(1, 4) == pytest.approx(1 / 1.75)   # 4 columns at 1 row add 1 to 1.75
+    # seconds = 1 + 0.5 x rows + 0.25 x fed tokens: rows that end make calls cheaper, which a line
+    # in fed tokens alone would have charged to feeding
+    costs = CallCosts()
+    for rows, queries in ((16, 1), (16, 4), (8, 1), (8, 4), (3, 1), (1, 1)):
+        costs.add(rows, queries, 1 + 0.5 * rows + 0.25 * rows * queries)
+    assert costs.extra(16, 3) == pytest.approx(0.25 * 16 * 3 / (1 + 8 + 4))
 
 
 def test_a_decode_starts_from_the_earlier_decodes_tally_weighed_as_a_few_drafts():
