@@ -9,8 +9,6 @@ import statistics
 from collections import deque
 from typing import NamedTuple
 
-import torch
-
 from datamodules.vocabulary import Choice, Range
 from decoders.base import Option
 
@@ -122,14 +120,39 @@ class CallCosts:
         if self.fit is None:
             shapes = list(self.seconds)
             medians = [statistics.median(self.seconds[shape]) for shape in shapes]
-            terms = torch.tensor([[1.0, r, r * q] for r, q in shapes], dtype=torch.float64)
-            # least squares that copes with shapes of one row count only (batch size 1)
-            a, b, c = torch.linalg.lstsq(terms, torch.tensor(medians, dtype=torch.float64)[:, None],
-                                         driver="gelsd").solution.view(-1).tolist()
-            self.fit, self.since_fit = (a, b, max(c, 0.0), min(medians)), 0
+            self.fit, self.since_fit = (*fitted_costs(shapes, medians), min(medians)), 0
         a, b, c, cheapest = self.fit
+        c = max(c, 0.0)
         # a call never costs less than the cheapest shape was measured to
         return c * rows * columns / max(a + b * rows + c * rows, cheapest)
+
+
+def fitted_costs(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[float, float, float]:
+    """(a, b, c) of the least-squares fit seconds = a + b·rows + c·rows·queries over `shapes`
+    ((rows, queries) each), in plain Python (no tensor: nothing the loop's one sync per call would
+    count). One row count (batch size 1): its own line, b 0. A fed token's cost not yet seen (every
+    shape feeds one token per row): c 0."""
+    rows = {r for r, _ in shapes}
+    if all(q == 1 for _, q in shapes):
+        return min(seconds), 0.0, 0.0
+    if len(rows) == 1:
+        (r,) = rows
+        c, a = statistics.linear_regression([r * q for _, q in shapes], seconds)
+        return a, 0.0, c
+    terms = [(1.0, r, r * q) for r, q in shapes]
+    # normal equations (3 x 3), solved by elimination with partial pivoting
+    m = [[sum(t[i] * t[j] for t in terms) for j in range(3)]
+         + [sum(t[i] * y for t, y in zip(terms, seconds))] for i in range(3)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda row: abs(m[row][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-12:   # rows and fed tokens not apart: no fed token's cost yet
+            return min(seconds), 0.0, 0.0
+        for row in range(3):
+            if row != col:
+                factor = m[row][col] / m[col][col]
+                m[row] = [x - factor * y for x, y in zip(m[row], m[col])]
+    return tuple(m[i][3] / m[i][i] for i in range(3))
 
 
 class FeedingRecord:
