@@ -293,19 +293,21 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     return _recompiling_up_to_limit(torch.compile(run_decoder, dynamic=True))
 
 
-def greedy_tokens(model: PreTrainedModel, *step: Any) -> torch.Tensor:
-    """(B, Q) the model's argmax token after each fed token: `run_decoder(model, *step)`, then the
-    output head. One step of greedy decoding."""
-    return output_logits(model, run_decoder(model, *step)).argmax(-1)
+def greedy_step(model: PreTrainedModel, *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of greedy decoding: `run_decoder(model, *step)`'s hidden states (B, Q, d_model),
+    and the model's argmax token after each fed token (B, Q) from the output head."""
+    hidden = run_decoder(model, *step)
+    return hidden, output_logits(model, hidden).argmax(-1)
 
 
-def fixed_shape_greedy_tokens(model: PreTrainedModel, shape: Hashable) -> Callable[..., torch.Tensor]:
-    """`greedy_tokens` through torch.compile for fixed shapes (`dynamic=False`), for loops whose
-    calls take a few shapes only: a cache written at slot = position and attended in a few widths,
-    the source padded to a few widths (`source_at_fixed_width`), slots and positions given as
-    tensors, a few batch sizes. One function per model and `shape` (a key of every shape of the
-    call, which the loop gives), made at the first call and kept while the model lives: no guard or
-    kernel is symbolic, and every later decode reuses it.
+def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`greedy_step` through torch.compile for fixed shapes (`dynamic=False`), for loops whose
+    calls take a few shapes only (sequential, the verify loop): a cache written at slot = position
+    and attended in a few widths, the source padded to a few widths (`source_at_fixed_width`),
+    slots and positions given as tensors, a few batch sizes and numbers of fed tokens. One function
+    per model and `shape` (a key of every shape of the call, which the loop gives), made at the
+    first call and kept while the model lives: no guard or kernel is symbolic, and every later
+    decode reuses it.
 
     A call costs its kernels and little else: the graph's wrapper is C++ (inductor's
     `cpp_wrapper`), and Dynamo checks only the tensors' guards (shape, dtype, device, strides of
@@ -319,22 +321,22 @@ def fixed_shape_greedy_tokens(model: PreTrainedModel, shape: Hashable) -> Callab
     key = (shape, attention_implementation(model.config), model.training)
     if key not in steps:
         # a code object of its own: Dynamo keeps its graphs, and checks them, with the code
-        code = _greedy_tokens_step.__code__.replace(co_name=f"greedy_tokens_{len(steps)}")
-        step = types.FunctionType(code, _greedy_tokens_step.__globals__, code.co_name)
+        code = _greedy_step.__code__.replace(co_name=f"greedy_step_{len(steps)}")
+        step = types.FunctionType(code, _greedy_step.__globals__, code.co_name)
         steps[key] = _recompiling_up_to_limit(torch.compile(
             step, dynamic=False, options={"cpp_wrapper": True, "guard_filter_fn": _tensor_guards}))
     return steps[key]
 
 
-# The compiled functions of `fixed_shape_greedy_tokens`, by model, then by key.
+# The compiled functions of `fixed_shape_greedy_step`, by model, then by key.
 _FIXED_SHAPE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Which of a graph's guards Dynamo keeps: those on tensors, the weights' included.
 _tensor_guards = functools.partial(torch.compiler.keep_tensor_guards_unsafe, keep_parameters=True)
 
 
-def _greedy_tokens_step(*args) -> torch.Tensor:
-    return greedy_tokens(*args)
+def _greedy_step(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    return greedy_step(*args)
 
 
 @functools.cache

@@ -26,19 +26,35 @@ class Slots(NamedTuple):
     width: int = 0
 
 
+# A loop compiled for fixed shapes attends its cache in widths of this many slots: a few widths,
+# each one shape.
+ATTENDED_SLOTS_STEP = 32
+
+
+def attended_width(slots: int, most_slots: int) -> int:
+    """The width a fixed-shape call attends to reach `slots` slots: a multiple of
+    ATTENDED_SLOTS_STEP, at most `most_slots`."""
+    return min(most_slots, -(-slots // ATTENDED_SLOTS_STEP) * ATTENDED_SLOTS_STEP)
+
+
 class DecoderCache:
     """Per decoder layer: the self-attention keys and values, (B, heads, slots, d_kv) each, and the
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop
-    whose rows write at their own slots: it grows by doubling up to it. A family whose layers read
-    the positions of the keys they attend to (UMT5) keeps them too, (B or 1, slots)
-    (`write_positions`)."""
+    whose rows write at their own slots: it grows by doubling up to it, or, where it does not
+    `grow` (a loop compiled for fixed shapes, whose calls then always find one buffer shape), is
+    made whole at the first write. A family whose layers read the positions of the keys they attend
+    to (UMT5) keeps them too, (B or 1, slots) (`write_positions`)."""
 
-    def __init__(self, layers: int, most_slots: int | None = None):
+    def __init__(self, layers: int, most_slots: int | None = None, grows: bool = True):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.encoder_keys_values: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.positions: torch.Tensor | None = None
-        self.most_slots = most_slots
+        self.most_slots, self.grows = most_slots, grows
+
+    def room(self, width: int) -> int:
+        """The slots of a buffer grown (or made) for a call that attends `width` slots."""
+        return min(self.most_slots, 2 * width) if self.grows else self.most_slots
 
     def held(self) -> int:
         """Slots the self-attention part holds (0 before the first write)."""
@@ -62,7 +78,7 @@ class DecoderCache:
             return keys, values
         if stored_keys is None or stored_keys.size(2) < slots.width:
             # zero-filled: an unwritten slot is hidden by the bias, but NaN garbage would survive it
-            room = min(self.most_slots, 2 * slots.width)
+            room = self.room(slots.width)
             stored_keys, stored_values = _grown(keys, stored_keys, room), _grown(values, stored_values, room)
             self.keys[layer], self.values[layer] = stored_keys, stored_values
         stored_keys[slots.rows, :, slots.each] = keys.transpose(1, 2)        # (live, Q, heads, d_kv)
@@ -84,7 +100,7 @@ class DecoderCache:
         if stored is None or stored.size(1) < slots.width or stored.size(0) != rows:
             # never narrower than what it holds: a call may attend fewer slots than an earlier one
             held = 0 if stored is None else stored.size(1)
-            grown = positions.new_zeros(rows, max(held, min(self.most_slots, 2 * slots.width)))
+            grown = positions.new_zeros(rows, max(held, self.room(slots.width)))
             if stored is not None:
                 grown[:, : stored.size(1)] = stored
             stored = self.positions = grown

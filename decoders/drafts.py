@@ -10,7 +10,8 @@ start token at 0), accepts the longest prefix of the draft that the model's argm
 then the model's own token: 1 .. m + 1 tokens a call, one host sync a call. The loop's state is one
 `LoopState`, a device part and a host part, moved from phase to phase: `call` (the model and the
 acceptance, on the device), `settle` (the sync and what the host decides from it), `go_on` (the
-finished rows dropped, the next drafts fed). Host-side policy: `draft_policy`; bias tables:
+finished rows dropped, the next drafts fed). Compiled (`decoder.compile`), its calls take a few
+fixed shapes (`VerifyLoop.fixed_shape_call`). Host-side policy: `draft_policy`; bias tables:
 `verify_tables`; the cache: `cache` (slot = position). Why it works this way: docs/decoders.md,
 "Draft and verify".
 """
@@ -23,9 +24,10 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import cross_attention_mask, output_logits, sizes
+from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, output_logits, sizes,
+                               source_at_fixed_width)
 from decoders.base import Decoder
-from decoders.cache import DecoderCache, Slots
+from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
                                    fed_offers, kept_tokens, next_draft_lengths)
 from decoders.loop import NOT_PRODUCED, LiveRows, Stopwatch, flat_decode_output, read_back, send
@@ -201,6 +203,17 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
 
 # ---- the verify loop -----------------------------------------------------------------------------
 
+def fixed_shape_rows(kept: list[int], cache: DecoderCache,
+                     *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a fixed-shape call once rows have ended: the `kept` ones (their places in the
+    last call) first, then copies of the first, up to the power of two that holds them, or the
+    rows the call had where that is fewer; in `cache` and each of `row_tensors`."""
+    rows = min(row_tensors[0].size(0), 1 << (len(kept) - 1).bit_length())
+    keep = send(kept + kept[:1] * (rows - len(kept)), row_tensors[0].device)
+    cache.select_rows(keep)
+    return tuple(t[keep] for t in row_tensors)
+
+
 class OnDevice(NamedTuple):
     """The device part of a verify loop's state: its live rows, in the order of the call."""
 
@@ -208,9 +221,12 @@ class OnDevice(NamedTuple):
     live: LiveRows                # each row's example (`index`), and the one sync per call
     origin: torch.Tensor          # (live, 1) the same as a column, made once per change of rows
     rows: torch.Tensor            # (live,) 0 .. live - 1
-    encoder_states: torch.Tensor  # (live, S, d_model)
-    cross_mask: torch.Tensor      # (live, 1, 1, S)
-    cache: DecoderCache           # every row's keys and values at slot = position
+    encoder_states: torch.Tensor  # (live, S, d_model); compiled: (P, S', d_model), below
+    cross_mask: torch.Tensor      # (live, 1, 1, S); compiled: (P, 1, 1, S')
+    cache: DecoderCache           # every row's keys and values at slot = position; compiled: P
+                                  # rows, the live ones first, then copies of the first (a power
+                                  # of two of rows, or the batch's), the source padded to S'
+
     produced: torch.Tensor        # (batch, columns) every example's tokens by output index
 
 
@@ -263,6 +279,7 @@ class VerifyLoop:
 
     def __init__(self, drafter: DraftAndVerifyDecoder, model, device: torch.device):
         self.drafter, self.model, self.run = drafter, model, drafter.model_step()
+        self.fixed_shapes = drafter.compiles()
         self.bound, self.width = drafter.max_new_tokens, drafter.draft_width
         self.reads = drafter.host_reads
         # where the loop decides from what feeding costs (`min_acceptance` null): what the
@@ -284,6 +301,9 @@ class VerifyLoop:
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)  # (B, 1, 1, S)
         drafting = self.drafter.begin_drafts(
             self.model, Source(input_ids, attention_mask, encoder_states, cross_mask))
+        if self.fixed_shapes:   # the loop's own source, padded to a few widths
+            encoder_states, padded_mask = source_at_fixed_width(encoder_states, attention_mask)
+            cross_mask = cross_attention_mask(padded_mask, encoder_states.dtype)
         live = LiveRows(batch_size, device)
         produced = torch.full((batch_size, self.most_slots - 1), NOT_PRODUCED, dtype=torch.long,
                               device=device)
@@ -294,7 +314,8 @@ class VerifyLoop:
         host = OnHost(list(range(batch_size)), [0] * batch_size, drafting.first, [], [], lengths,
                       tally, DraftCounters(), drafting, 0, {}, [False] * batch_size)
         device_part = OnDevice(starts, live, live.index[:, None], live.index, encoder_states, cross_mask,
-                               DecoderCache(sizes(self.model.config).layers, self.most_slots), produced)
+                               DecoderCache(sizes(self.model.config).layers, self.most_slots,
+                                            grows=not self.fixed_shapes), produced)
         return self.fed_next(LoopState(device_part, host), starts, drafting.first)
 
     def call(self, state: LoopState) -> Called:
@@ -302,6 +323,8 @@ class VerifyLoop:
         each row keeps: its tokens written to `produced` at their output indices, its accepted
         draft tokens and its first end token among them."""
         device, host, started = state.device, state.host, time.perf_counter()
+        if self.fixed_shapes:
+            return self.fixed_shape_call(state)._replace(started=started)
         queries, tables = device.fed.size(1), self.per_queries[device.fed.size(1)]
         highest = max(host.counts)
         if min(host.counts) == highest:   # every row at one count (always at batch size 1)
@@ -321,19 +344,62 @@ class VerifyLoop:
         if queries == 1:   # no row feeds a draft token
             tokens = output_logits(self.model, hidden).argmax(-1)                    # (live, 1)
             return self.called(state, hidden, tokens, count, slots)._replace(started=started)
-        return self.checked(state, hidden, count, slots)._replace(started=started)
+        return self.checked(state, device.fed, hidden, count, slots)._replace(started=started)
 
-    def checked(self, state: LoopState, hidden: torch.Tensor, count: int | torch.Tensor,
-                slots: Slots) -> Called:
-        """A call that fed draft tokens: the accepted prefix of each row's draft, then the model's
-        own token; exact, or among its top-k (relaxed: the row's tokens are its accepted draft)."""
-        device, host, drafter = state.device, state.host, self.drafter
-        draft = device.fed[:, 1:]                                                    # (live, Q - 1)
-        tables = self.per_queries[device.fed.size(1)]
-        counted = counted_positions(host.offers)
-        counted = None if counted is None else send(counted, draft.device)
-        offered = None if counted is None else send(host.offers, draft.device)
-        greedy, top = self.top_tokens(hidden, counted)                               # (live, Q)
+    def fixed_shape_call(self, state: LoopState) -> Called:
+        """`call` in a few fixed shapes, each compiled once (`backbone.fixed_shape_greedy_step`):
+        every row at its own slots of a cache made whole at the first call (`most_slots`), attended
+        in widths of `cache.ATTENDED_SLOTS_STEP`; 1 or k + 1 fed tokens, a row's tokens past its
+        offer filler; the live rows topped up to the cache's P rows with copies of the first, whose
+        tokens the call discards. The tokens and counts are `call`'s."""
+        device, host = state.device, state.host
+        live, rows = len(host.examples), device.encoder_states.size(0)
+        fed = device.fed                                                             # (live, Q)
+        queries = 1 if fed.size(1) == 1 else self.width + 1
+        if fed.size(1) < queries:
+            fed = torch.nn.functional.pad(fed, (0, queries - fed.size(1)), value=self.drafter.special.pad)
+        every_row = fed if rows == live else torch.cat([fed, fed[:1].expand(rows - live, -1)])  # (P, Q)
+        counts = host.counts + host.counts[:1] * (rows - live)
+        count = send([[count] for count in counts], fed.device)                      # (P, 1)
+        tables = self.per_queries[queries]
+        slots = Slots(each=count + tables.fed_offset, rows=self.every_row(rows, fed.device),
+                      width=attended_width(max(counts) + queries, self.most_slots))
+        bias = self.table.gather(count.view(-1, 1, 1, 1) + tables.based_offsets[..., : slots.width])
+        # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
+        # and whether the call makes the cache
+        shape = (rows, queries, device.encoder_states.size(1), slots.width, host.batch_calls == 0)
+        hidden, greedy = fixed_shape_greedy_step(self.model, shape)(
+            self.model, every_row, bias, device.encoder_states, device.cross_mask, device.cache,
+            slots, slots.each)
+        hidden, greedy, count = hidden[:live], greedy[:live], count[:live]           # the live rows'
+        slots = slots._replace(each=slots.each[:live])
+        if queries == 1:
+            return self.called(state, hidden, greedy, count, slots)
+        return self.checked(state, fed, hidden, count, slots, greedy)
+
+    def every_row(self, rows: int, device: torch.device) -> torch.Tensor:
+        """(rows, 1) 0 .. rows - 1, made once per number of rows."""
+        made = self.__dict__.setdefault("rows_made", {})
+        if rows not in made:
+            made[rows] = torch.arange(rows, device=device)[:, None]
+        return made[rows]
+
+    def checked(self, state: LoopState, fed: torch.Tensor, hidden: torch.Tensor,
+                count: int | torch.Tensor, slots: Slots, greedy: torch.Tensor | None = None) -> Called:
+        """A call that fed draft tokens `fed` (live, Q): the accepted prefix of each row's draft,
+        then the model's own token; exact, or among its top-k (relaxed: the row's tokens are its
+        accepted draft). `greedy`: the model's argmax tokens, where the call made them already."""
+        host, drafter = state.host, self.drafter
+        draft = fed[:, 1:]                                                           # (live, Q - 1)
+        tables = self.per_queries[fed.size(1)]
+        if greedy is None:
+            counted = counted_positions(host.offers)
+            counted = None if counted is None else send(counted, draft.device)
+            greedy, top = self.top_tokens(hidden, counted)                           # (live, Q)
+            offered = None if counted is None else send(host.offers, draft.device)
+        else:
+            top = None if drafter.top_k == 1 else self.top_tokens(hidden, None)[1]
+            offered = None if min(host.offers) == draft.size(1) else send(host.offers, draft.device)
         accepted = accepted_length(draft, greedy[:, :-1] if top is None else top[:, :-1], offered)
         tokens = greedy if drafter.top_k == 1 else torch.where(
             tables.fed_offset < accepted[:, None], torch.cat([draft, greedy[:, -1:]], dim=1), greedy)
@@ -466,15 +532,22 @@ class VerifyLoop:
         late = early is None   # drafted after the sync, for the rows that go on only
         carried = [verified.next_token, *([verified.hidden, verified.count] if late else
                                           [early.tokens] if early.tokens is not None else [])]
-        kept_tensors = device.live.drop(host.ended, device.cache, device.encoder_states,
-                                        device.cross_mask, *carried)
+        call_rows = (device.encoder_states, device.cross_mask)
+        if self.fixed_shapes:   # the cache's rows are laid out below, once the kept rows are known
+            kept_tensors = device.live.drop(host.ended, None, *carried)
+        else:
+            kept_tensors = device.live.drop(host.ended, device.cache, *call_rows, *carried)
         if kept_tensors is None:
             return state._replace(host=host._replace(examples=[]))
-        encoder_states, cross_mask, next_token, *rest = kept_tensors
+        if not self.fixed_shapes:
+            call_rows, kept_tensors = kept_tensors[:2], kept_tensors[2:]
+        next_token, *rest = kept_tensors
         kept = device.live.kept
         if len(kept) < len(host.ended):
             device = device._replace(origin=device.live.index[:, None], rows=device.rows[: len(kept)])
-        device = device._replace(encoder_states=encoder_states, cross_mask=cross_mask)
+            if self.fixed_shapes:
+                call_rows = fixed_shape_rows(kept, device.cache, *call_rows)
+        device = device._replace(encoder_states=call_rows[0], cross_mask=call_rows[1])
         host = host._replace(examples=[host.examples[r] for r in kept], counts=[host.counts[r] for r in kept],
                              lengths=None if host.lengths is None else [host.lengths[r] for r in kept])
         if not late:

@@ -17,7 +17,7 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         finished rows kept in the batch (their tokens discarded) until the unfinished ones fit half
         of it, when it shrinks to the power of two that holds them; so a few graphs per batch size
         and source width serve every step of every decode. Its compiled step is the whole call: the
-        decoder layers, the output head and the argmax (`backbone.fixed_shape_greedy_tokens`).
+        decoder layers, the output head and the argmax (`backbone.fixed_shape_greedy_step`).
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_greedy_tokens,
+from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_greedy_step,
                                made_from_bias_weight, output_logits, past_distance_bias_table, sizes,
                                source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.cache import DecoderCache, Slots
+from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
 
 
@@ -103,7 +103,7 @@ class SequentialDecoder(Decoder):
 
     def _fixed_shape_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
         """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
-        shape (`fixed_shape_greedy_tokens`): the source padded to a power of two, finished rows
+        shape (`fixed_shape_greedy_step`): the source padded to a power of two, finished rows
         kept (their later tokens not produced) until the unfinished ones fit a batch of half the
         rows or fewer, which then holds them, topped up with finished rows to a power of two."""
         batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
@@ -120,8 +120,9 @@ class SequentialDecoder(Decoder):
             # one compiled function per shape: the rows, the source's and the attended slots'
             # widths, and whether the call makes the cache
             shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
-            next_tokens = fixed_shape_greedy_tokens(model, shape)(
-                model, step_input, bias, encoder_states, cross_mask, cache, slots, positions)[:, -1]
+            _, tokens = fixed_shape_greedy_step(model, shape)(
+                model, step_input, bias, encoder_states, cross_mask, cache, slots, positions)
+            next_tokens = tokens[:, -1]
             produced[rows.index, step] = next_tokens.masked_fill(finished, NOT_PRODUCED)
             finished = finished | (next_tokens == self.special.eos)
             if step + 1 == bound:
@@ -176,10 +177,6 @@ def growing_steps(model: PreTrainedModel, bound: int) -> list[Step]:
     return made_from_bias_weight(model, ("growing steps", bound), make)
 
 
-# Slots a compiled step attends grow in steps of this many: a few widths, each one shape.
-ATTENDED_SLOTS_STEP = 32
-
-
 def fixed_shape_steps(model: PreTrainedModel, bound: int, batch_size: int) -> list[Step]:
     """The steps of a compiled decode, in a few shapes: step t writes every row at slot t of a
     cache of up to `bound` slots and attends its first slots, t + 1 rounded up to a multiple of
@@ -195,7 +192,7 @@ def fixed_shape_steps(model: PreTrainedModel, bound: int, batch_size: int) -> li
         every_row = torch.arange(batch_size, device=table.device)[:, None]     # (B, 1)
         steps = []
         for step in range(bound):
-            width = min(bound, -(-(step + 1) // ATTENDED_SLOTS_STEP) * ATTENDED_SLOTS_STEP)
+            width = attended_width(step + 1, bound)
             steps.append(Step(bias[step, None, :, None, :width].clone(),
                               Slots(each=t[step].expand(batch_size, 1).clone(), rows=every_row,
                                     width=width),

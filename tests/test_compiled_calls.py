@@ -10,13 +10,15 @@ from torch._dynamo.utils import counters
 
 from decoders import available, build_decoder
 import decoders.base
+import decoders.drafts
 import decoders.sequential
-from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_tokens, run_decoder
-from decoders.sequential import ATTENDED_SLOTS_STEP, rows_past_bucket
+from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_step, run_decoder
+from decoders.cache import ATTENDED_SLOTS_STEP
+from decoders.sequential import rows_past_bucket
 from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
 from tasks.config import ConfigError, compose
-from tests.conftest import (SPECIAL, always_feeding, assert_same_output, first_batch_where, random_batch,
+from tests.conftest import (ALWAYS_FEED, SPECIAL, always_feeding, assert_same_output, first_batch_where, random_batch,
                             tiny_t5)
 from tests.families import family_batch, family_special, tiny_family_model
 
@@ -59,7 +61,8 @@ def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(n
         return encode(*args)
     monkeypatch.setattr(decoders.base, "compiled_encode", lambda: recording_encode)
     monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
-    monkeypatch.setattr(decoders.sequential, "fixed_shape_greedy_tokens", lambda model, shape: greedy_tokens)
+    monkeypatch.setattr(decoders.sequential, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
+    monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
     decoder = with_drafter(build_decoder(name, model.config, SPECIAL, compile=True,
                                          **bounded(name, 8)).eval(), model)
     batch = random_batch(3, seed=0)
@@ -133,10 +136,11 @@ def decoded_recording_shapes(decoder, model, batch, monkeypatch):
     def recording_step(model, ids, bias, encoder_states, cross_mask, cache, slots, positions):
         shapes.append((ids.shape, bias.shape, slots.each.shape, slots.width, positions.shape,
                        encoder_states.shape, cross_mask.shape))
-        return greedy_tokens(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
+        return greedy_step(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
 
     with monkeypatch.context() as patch:
-        patch.setattr(decoders.sequential, "fixed_shape_greedy_tokens", lambda model, shape: recording_step)
+        for loop in (decoders.sequential, decoders.drafts):
+            patch.setattr(loop, "fixed_shape_greedy_step", lambda model, shape: recording_step)
         return decoder.generate(model, *batch), shapes
 
 
@@ -209,6 +213,70 @@ def test_compiled_sequential_decoding_compiles_once_and_later_decodes_reuse_it(m
     out = compiled.generate(model, *batch)
     assert dict(counters["stats"]) == graphs
     assert_same_output(out, expected)
+
+
+@pytest.mark.parametrize("model_type", ["t5", "umt5", "bart", "marian"])
+def test_the_verify_loops_compiled_calls_run_in_a_few_shapes_and_give_the_eager_tokens(
+        model_type, monkeypatch):
+    """The verify loop compiled (blockwise here; lookup and aggressive share it): every row at its
+    own slots of a cache made whole, attended in a few widths; 1 or k + 1 fed tokens; the live
+    rows topped up to the batch's rows, then to powers of two; the source padded. Run with its step
+    eager, on a batch whose rows end apart and accept drafts, its output and calls are the eager
+    loop's, on families with relative and absolute positions."""
+    model, special = model_of(model_type)
+    bound = ATTENDED_SLOTS_STEP + 8
+    batch = batch_ending_apart(model, special, bound=bound, longest_above=ATTENDED_SLOTS_STEP)
+
+    def decoder(compile: bool):
+        torch.manual_seed(0)   # the proposal heads: one set of weights both times
+        return build_decoder("blockwise", model.config, special, max_new_tokens=bound, compile=compile,
+                             **ALWAYS_FEED).to(model.dtype).eval()
+    expected = decoder(False).generate(model, *batch)
+    out, shapes = decoded_recording_shapes(decoder(True), model, batch, monkeypatch)
+    assert_same_output(out, expected)
+    assert out.decoder_calls == expected.decoder_calls
+    assert out.stats == expected.stats and out.stats["draft_tokens_accepted"] > 0
+    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
+    ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
+    k = decoder(True).draft_width
+    assert {fed[1] for fed in ids} == {1, k + 1}
+    rows = [fed[0] for fed in ids]
+    assert rows[0] == 5 and rows == sorted(rows, reverse=True) and len(set(rows)) > 1
+    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
+    for call in zip(ids, bias, each, width, positions, states, cross_mask):
+        fed, bias_shape, each_shape, attended, positions_shape, states_shape, mask_shape = call
+        assert each_shape == positions_shape == fed and bias_shape[::2] == (fed[0], fed[1])
+        assert bias_shape[-1] == attended and states_shape[0] == mask_shape[0] == fed[0]
+    most_slots = bound + k + 1
+    assert all(w % ATTENDED_SLOTS_STEP == 0 or w == most_slots for w in width) and len(set(width)) > 1
+    assert {shape[1] for shape in states} == {16}   # the source padded to a power of two
+
+
+@pytest.mark.slow   # compiling takes seconds
+@pytest.mark.parametrize("name", ["blockwise", "lookup"])
+def test_the_compiled_verify_loop_compiles_once_and_later_decodes_reuse_it(name, monkeypatch):
+    """After decodes of one batch size, a decode of other inputs whose calls take only the shapes
+    those met compiles nothing and gives the eager tokens and calls."""
+    model = tiny_t5(0)
+
+    def decoder(compile: bool):
+        torch.manual_seed(0)
+        return build_decoder(name, model.config, SPECIAL, max_new_tokens=16, compile=compile,
+                             **ALWAYS_FEED).eval()
+    compiled, eager = decoder(True), decoder(False)
+    met = set()
+    for seed in range(3):   # the warm-up
+        warm_up = random_batch(4, seed=seed)
+        met |= set(decoded_recording_shapes(compiled, model, warm_up, monkeypatch)[1])
+        compiled.generate(model, *warm_up)
+    batch = next(batch for batch in (random_batch(4, seed=seed) for seed in range(3, 40))
+                 if set(decoded_recording_shapes(compiled, model, batch, monkeypatch)[1]) <= met)
+    graphs = dict(counters["stats"])
+    out = compiled.generate(model, *batch)
+    assert dict(counters["stats"]) == graphs
+    expected = eager.generate(model, *batch)
+    assert_same_output(out, expected)
+    assert out.decoder_calls == expected.decoder_calls
 
 
 @pytest.mark.slow   # compiling takes seconds
