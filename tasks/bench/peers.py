@@ -14,9 +14,9 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
   on the `--blockwise` checkpoint (heads trained on that sequential model) when given;
 - with `--pipelined`, the library's pipelined decoder on a pipelined checkpoint of the same task:
   a model of its own, trained on the pipelined layout, so its tokens are not greedy `generate`'s;
-- with `--compiled`, the library's sequential decoder compiled (`decoder.compile=true`: its step
-  compiled for fixed shapes, once per shape, in the warm-up), and pipelined compiled where
-  `--pipelined` is given;
+- with `--compiled`, each of the library's rows followed by its compiled twin
+  (`decoder.compile=true`; sequential's and the verify loop's steps compiled for fixed shapes,
+  pipelined's for symbolic ones, in the warm-up);
 - with `--ctranslate2`, the inference engine CTranslate2's greedy decoding of the same weights
   (exported as `tasks.export` exports them, then converted), float32 and int8
   (`pip install -e ".[bench]"`).
@@ -47,8 +47,11 @@ from tasks.runs.restore import save_pretrained_folder
 
 GREEDY = "transformers greedy"
 PIPELINED = "pipelined"
-COMPILED_SEQUENTIAL = "sequential(compile=true)"
-COMPILED_PIPELINED = "pipelined(compile=true)"
+
+
+def compiled_name(name: str) -> str:
+    """The row of a library decoder compiled (`decoder.compile=true`)."""
+    return f"{name}(compile=true)"
 
 
 def prompt_lookup_name(tokens: int) -> str:
@@ -127,7 +130,7 @@ def markdown(result: dict) -> str:
                      f"{'yes' if r['identical_to_greedy'] else 'NO'} | {r['quality'][primary]:.3f} | "
                      f"{r['decoder_calls_per_example']:.1f} | {r['examples_per_second']:.1f} | "
                      f"{speedup_cell(r, 'speed_vs_greedy')} | {r['peak_memory_mb']:.1f} |")
-    if any(r["decoder"] in (PIPELINED, COMPILED_PIPELINED) for r in result["rows"]):
+    if any(r["decoder"] in (PIPELINED, compiled_name(PIPELINED)) for r in result["rows"]):
         lines += ["", "pipelined decodes a pipelined checkpoint of the same task, a model of its own: "
                   "its tokens are not greedy `generate`'s, and its quality column is what to compare."]
     lines += ["", "The library's rows run their decoder steps eager, those named `(compile=true)` "
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctranslate2", action="store_true",
                         help="add CTranslate2's greedy rows, float32 and int8 (needs ctranslate2)")
     parser.add_argument("--compiled", action="store_true",
-                        help="add the library's sequential decoder compiled (decoder.compile=true)")
+                        help="add each library row compiled (decoder.compile=true) after it")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompt-lookup", default="4,10",
                         help="prompt_lookup_num_tokens settings of transformers' rows")
@@ -177,16 +180,20 @@ def main(argv: list[str] | None = None) -> dict:
     sequential = built.module.to(device).eval()
     bound, special = sequential.decoder.max_new_tokens, sequential.decoder.special
     batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
-                                       backbone=sequential.backbone),
-               "sequential": sequential,
-               "lookup": restored("lookup", args.ckpt)[1].module.to(device).eval()}
-    if args.compiled:
-        batched[COMPILED_SEQUENTIAL] = restored(COMPILED_SEQUENTIAL, args.ckpt)[1].module.to(device).eval()
-    for name, flag, path in (("blockwise", "--blockwise", args.blockwise),
-                             (PIPELINED, "--pipelined", args.pipelined),
-                             (COMPILED_PIPELINED, "--pipelined", args.compiled and args.pipelined)):
-        if path:
-            batched[name] = same_inputs(flag, path, *restored(name, path), cfg, built).to(device).eval()
+                                       backbone=sequential.backbone)}
+    # the library's rows, each followed by its compiled twin where --compiled: the same model
+    for name, flag, path in (("sequential", None, args.ckpt), ("lookup", None, args.ckpt),
+                             ("blockwise", "--blockwise", args.blockwise),
+                             (PIPELINED, "--pipelined", args.pipelined)):
+        if not path:
+            continue
+        for row in (name, compiled_name(name)) if args.compiled else (name,):
+            if row == "sequential":
+                batched[row] = sequential
+            elif flag is None:
+                batched[row] = restored(row, path)[1].module.to(device).eval()
+            else:
+                batched[row] = same_inputs(flag, path, *restored(row, path), cfg, built).to(device).eval()
     if args.ctranslate2:
         exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
         batched.update(ctranslate2_rows(args.ckpt, sequential, device, args.threads,
