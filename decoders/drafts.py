@@ -226,7 +226,6 @@ class OnDevice(NamedTuple):
     cache: DecoderCache           # every row's keys and values at slot = position; compiled: P
                                   # rows, the live ones first, then copies of the first (a power
                                   # of two of rows, or the batch's), the source padded to S'
-
     produced: torch.Tensor        # (batch, columns) every example's tokens by output index
 
 
@@ -280,6 +279,7 @@ class VerifyLoop:
     def __init__(self, drafter: DraftAndVerifyDecoder, model, device: torch.device):
         self.drafter, self.model, self.run = drafter, model, drafter.model_step()
         self.fixed_shapes = drafter.compiles()
+        self.call_rows: dict[int, torch.Tensor] = {}   # P -> (P, 1) 0 .. P - 1, for fixed shapes
         self.bound, self.width = drafter.max_new_tokens, drafter.draft_width
         self.reads = drafter.host_reads
         # where the loop decides from what feeding costs (`min_acceptance` null): what the
@@ -362,7 +362,9 @@ class VerifyLoop:
         counts = host.counts + host.counts[:1] * (rows - live)
         count = send([[count] for count in counts], fed.device)                      # (P, 1)
         tables = self.per_queries[queries]
-        slots = Slots(each=count + tables.fed_offset, rows=self.every_row(rows, fed.device),
+        if rows not in self.call_rows:
+            self.call_rows[rows] = torch.arange(rows, device=fed.device)[:, None]
+        slots = Slots(each=count + tables.fed_offset, rows=self.call_rows[rows],
                       width=attended_width(max(counts) + queries, self.most_slots))
         bias = self.table.gather(count.view(-1, 1, 1, 1) + tables.based_offsets[..., : slots.width])
         # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
@@ -376,13 +378,6 @@ class VerifyLoop:
         if queries == 1:
             return self.called(state, hidden, greedy, count, slots)
         return self.checked(state, fed, hidden, count, slots, greedy)
-
-    def every_row(self, rows: int, device: torch.device) -> torch.Tensor:
-        """(rows, 1) 0 .. rows - 1, made once per number of rows."""
-        made = self.__dict__.setdefault("rows_made", {})
-        if rows not in made:
-            made[rows] = torch.arange(rows, device=device)[:, None]
-        return made[rows]
 
     def checked(self, state: LoopState, fed: torch.Tensor, hidden: torch.Tensor,
                 count: int | torch.Tensor, slots: Slots, greedy: torch.Tensor | None = None) -> Called:
