@@ -302,7 +302,7 @@ def greedy_step(model: PreTrainedModel, *step: Any) -> tuple[torch.Tensor, torch
 
 def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`greedy_step` through torch.compile for fixed shapes (`dynamic=False`), for loops whose
-    calls take a few shapes only (sequential, the verify loop): a cache written at slot = position
+    calls take a few shapes only (sequential, the verify loop, pipelined): a cache written at slot = position
     and attended in a few widths, the source padded to a few widths (`source_at_fixed_width`),
     slots and positions given as tensors, a few batch sizes and numbers of fed tokens. One function
     per model and `shape` (a key of every shape of the call, which the loop gives), made at the

@@ -30,7 +30,8 @@ from decoders.base import Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
                                    fed_offers, kept_tokens, next_draft_lengths)
-from decoders.loop import NOT_PRODUCED, LiveRows, Stopwatch, flat_decode_output, read_back, send
+from decoders.loop import (NOT_PRODUCED, LiveRows, Stopwatch, fixed_shape_rows, flat_decode_output,
+                           read_back, send, topped_up)
 from decoders.verify_tables import bias_tables
 
 
@@ -203,17 +204,6 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
 
 # ---- the verify loop -----------------------------------------------------------------------------
 
-def fixed_shape_rows(kept: list[int], cache: DecoderCache,
-                     *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of a fixed-shape call once rows have ended: the `kept` ones (their places in the
-    last call) first, then copies of the first, up to the power of two that holds them, or the
-    rows the call had where that is fewer; in `cache` and each of `row_tensors`."""
-    rows = min(row_tensors[0].size(0), 1 << (len(kept) - 1).bit_length())
-    keep = send(kept + kept[:1] * (rows - len(kept)), row_tensors[0].device)
-    cache.select_rows(keep)
-    return tuple(t[keep] for t in row_tensors)
-
-
 class OnDevice(NamedTuple):
     """The device part of a verify loop's state: its live rows, in the order of the call."""
 
@@ -358,7 +348,7 @@ class VerifyLoop:
         queries = 1 if fed.size(1) == 1 else self.width + 1
         if fed.size(1) < queries:
             fed = torch.nn.functional.pad(fed, (0, queries - fed.size(1)), value=self.drafter.special.pad)
-        every_row = fed if rows == live else torch.cat([fed, fed[:1].expand(rows - live, -1)])  # (P, Q)
+        every_row = topped_up(fed, rows)                                            # (P, Q)
         counts = host.counts + host.counts[:1] * (rows - live)
         count = send([[count] for count in counts], fed.device)                      # (P, 1)
         tables = self.per_queries[queries]

@@ -136,6 +136,25 @@ class LiveRows:
         return self.drop(self.read(finished), cache, *row_tensors)
 
 
+def fixed_shape_rows(kept: list[int], cache: DecoderCache,
+                     *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a loop's fixed-shape calls once rows have ended: the `kept` ones (their places
+    in the last call) first, then copies of the first, up to the power of two that holds them, or
+    the rows the call had where that is fewer; in `cache` and each of `row_tensors`. A copy's
+    tokens are its own row's, which the loop discards."""
+    rows = min(row_tensors[0].size(0), 1 << (len(kept) - 1).bit_length())
+    keep = send(kept + kept[:1] * (rows - len(kept)), row_tensors[0].device)
+    cache.select_rows(keep)
+    return tuple(t[keep] for t in row_tensors)
+
+
+def topped_up(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` (live, ...) with copies of its first row after it, up to `rows` rows: a
+    fixed-shape call's rows (`fixed_shape_rows`)."""
+    live = tensor.size(0)
+    return tensor if live == rows else torch.cat([tensor, tensor[:1].expand(rows - live, *tensor.shape[1:])])
+
+
 class Stopwatch:
     """Time spent in some blocks of a decode, measured without a host sync: on a GPU each block is
     timed by a pair of CUDA events on the current stream, read only after the decode's final

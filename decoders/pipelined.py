@@ -41,7 +41,8 @@ calls per batch) is only a safety net: unset, it is the most steps the slots all
 Decoding is batched and cached: per call each example feeds its running subsequences' newest tokens,
 padded to the batch's largest count (B, R); the key/value cache grows by R columns per call;
 padding columns lie in no query's past (`Grid`), so no mask is kept for them. Finished examples
-are dropped from the batch and the cache.
+are dropped from the batch and the cache. Compiled (`decoder.compile`), its calls take a few fixed
+shapes (`_fixed_shape_call`).
 
 Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), then per time step
 `_start_subsequences` (lines 5-7), `_call` (line 8: one decoder call, its tokens read back),
@@ -61,11 +62,12 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (cross_attention_mask, encode, HeadTable, made_from_bias_weight,
-                               output_logits, past_distance_bias_table, run_decoder, sizes)
-from decoders.cache import DecoderCache, Slots
+from decoders.backbone import (cross_attention_mask, encode, fixed_shape_greedy_step, HeadTable,
+                               made_from_bias_weight, output_logits, past_distance_bias_table,
+                               run_decoder, sizes, source_at_fixed_width)
+from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
-from decoders.loop import LiveRows, send
+from decoders.loop import LiveRows, fixed_shape_rows, send, topped_up
 
 # the stopping rules (module docstring)
 FIRST_EMPTY, ALL_END = "first_empty", "all_end"
@@ -172,6 +174,11 @@ class Batch:
     encoder_states: torch.Tensor  # (B', source_len, d_model)
     cross_mask: torch.Tensor     # (B', 1, 1, source_len) `cross_attention_mask`
     live: list[Example]          # the examples still decoding, one per row
+    # compiled for fixed shapes: the cache's columns, made whole (N = this, the keys of those not
+    # written yet the padding code; the rows B' are the live ones topped up, `fixed_shape_rows`);
+    # None: eager, the cache grows by each call's columns
+    most_columns: int | None = None
+    written: int = 0             # the columns calls have written (all N where the cache grows)
     batch_calls: int = 0
     cells_by_counts: dict = field(default_factory=dict)   # running counts -> `running_cells`
 
@@ -321,12 +328,21 @@ class PipelinedDecoder(Decoder):
                                     length - 1))
         width = grid_width(length - 1)
         encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
-        return Batch(model, self.model_step(), table, width, padding_code=slots * width,
-                     cache=DecoderCache(sizes(model.config).layers), rows=LiveRows(batch_size, device),
-                     keys=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
+        layers, most_columns = sizes(model.config).layers, None
+        if self.compiles():   # fixed shapes: the source padded, a cache of every column a call meets
+            encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+            # before a call the cache holds the most columns an example fed (`_pack`): at most its
+            # output, its empty subsequences' end tokens and a last call's tokens cut by the bound;
+            # a call adds at most one per slot
+            most_columns = self.max_new_tokens + 3 * slots
+        padding_code = slots * width
+        return Batch(model, self.model_step(), table, width, padding_code,
+                     cache=DecoderCache(layers, most_columns, grows=most_columns is None),
+                     rows=LiveRows(batch_size, device),
+                     keys=torch.full((batch_size, most_columns or 0), padding_code, device=device),
                      encoder_states=encoder_states,
                      cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
-                     live=list(examples))
+                     live=list(examples), most_columns=most_columns)
 
     def _start_subsequences(self, live: list[Example], step: int) -> None:
         """Lines 5-7: every d steps, subsequence step/d starts (with b) in every example that may
@@ -350,6 +366,8 @@ class PipelinedDecoder(Decoder):
         start, width = self.special.start, batch.width
         running = [len(example.running) for example in batch.live]
         columns = max(running)
+        if batch.most_columns is not None:   # fixed shapes: a power of two of columns
+            columns = min(self.max_subsequences, 1 << (columns - 1).bit_length())
         tokens, codes = [], []
         for example in batch.live:
             padding = columns - len(example.running)
@@ -364,16 +382,45 @@ class PipelinedDecoder(Decoder):
         # only the running columns get vocabulary logits: all of them, or those `running_cells` names
         cells = None if sum(running) == columns * len(running) else batch.running_cells(running)
         token, query = send([tokens, codes], batch.keys.device).unbind(0)               # (B', R) each
-        appended = Slots(start=batch.keys.size(1))     # the call's columns follow the cache's
-        batch.keys = torch.cat([batch.keys, query], 1)                                 # (B', N)
-        query = Grid(query, width)
-        bias = attention_bias(batch.table, query, Grid(batch.keys, width))
-        # a token's position in its subsequence (`Grid.offset`), for families with absolute ones
-        hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
-                           batch.cache, appended, query.offset)                        # (B', R, d)
-        hidden = hidden.flatten(0, 1) if cells is None else hidden[cells]              # (n, d)
+        if batch.most_columns is not None:
+            greedy = self._fixed_shape_call(batch, token, query)[: len(running)]       # (live, R)
+        else:
+            appended = Slots(start=batch.written)     # the call's columns follow the cache's
+            batch.keys = torch.cat([batch.keys, query], 1)                             # (B', N)
+            query = Grid(query, width)
+            bias = attention_bias(batch.table, query, Grid(batch.keys, width))
+            # a token's position in its subsequence (`Grid.offset`), for families with absolute ones
+            hidden = batch.run(batch.model, token, bias, batch.encoder_states, batch.cross_mask,
+                               batch.cache, appended, query.offset)                    # (B', R, d)
+            hidden = hidden.flatten(0, 1) if cells is None else hidden[cells]          # (n, d)
+            greedy = output_logits(batch.model, hidden).argmax(-1)
+        batch.written += columns
         batch.batch_calls += 1
-        return batch.rows.read(output_logits(batch.model, hidden).argmax(-1))
+        if batch.most_columns is not None:
+            greedy = greedy.flatten() if cells is None else greedy[cells]
+        return batch.rows.read(greedy)
+
+    def _fixed_shape_call(self, batch: Batch, token: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """`_call`'s model part in a few fixed shapes, each compiled once
+        (`backbone.fixed_shape_greedy_step`): the call's R columns written after the `written`
+        ones, in every row of a cache of `most_columns`, attended in widths of
+        `cache.ATTENDED_SLOTS_STEP`; the live rows topped up to the batch's rows with copies of the
+        first. Returns the argmax after every column (B', R)."""
+        rows, columns = batch.encoder_states.size(0), token.size(1)
+        token, query = topped_up(token, rows), topped_up(query, rows)
+        written = torch.arange(batch.written, batch.written + columns, device=token.device)
+        appended = Slots(each=written.expand(rows, -1), rows=torch.arange(rows, device=token.device)[:, None],
+                         width=attended_width(batch.written + columns, batch.most_columns))
+        batch.keys[:, batch.written: batch.written + columns] = query
+        query = Grid(query, batch.width)
+        bias = attention_bias(batch.table, query, Grid(batch.keys[:, : appended.width], batch.width))
+        # one compiled step per shape: the rows, columns, source's and attended columns' widths,
+        # and whether the call makes the cache
+        shape = (rows, columns, batch.encoder_states.size(1), appended.width, batch.batch_calls == 0)
+        _, greedy = fixed_shape_greedy_step(batch.model, shape)(
+            batch.model, token, bias, batch.encoder_states, batch.cross_mask, batch.cache, appended,
+            query.offset)
+        return greedy
 
     def _append(self, live: list[Example], tokens: list[int]) -> None:
         """Lines 9-11: each running subsequence's token is written to its slot, in subsequence
@@ -405,24 +452,35 @@ class PipelinedDecoder(Decoder):
         start_due = self.stop_rule == FIRST_EMPTY and step < self._last_start()
         for example in batch.live:
             example.done = example.cut or not (example.running or (start_due and example.may_start))
-        kept = batch.rows.drop([example.done for example in batch.live], batch.cache, batch.keys,
-                               batch.encoder_states, batch.cross_mask)
+        done = [example.done for example in batch.live]
+        row_tensors = (batch.keys, batch.encoder_states, batch.cross_mask)
+        if batch.most_columns is None:
+            kept = batch.rows.drop(done, batch.cache, *row_tensors)
+        elif batch.rows.drop(done, None) is None:
+            kept = None
+        else:   # fixed shapes: the cache's rows laid out once the kept rows are known
+            kept = (fixed_shape_rows(batch.rows.kept, batch.cache, *row_tensors)
+                    if len(batch.rows.kept) < len(done) else row_tensors)
         if kept is None:
             return False
         batch.keys, batch.encoder_states, batch.cross_mask = kept
         batch.live = [batch.live[row] for row in batch.rows.kept]
         most_fed = max(example.fed for example in batch.live)
-        if batch.keys.size(1) > most_fed:
+        if batch.written > most_fed:
             self._pack(batch, most_fed)
         return True
 
     def _pack(self, batch: Batch, most_fed: int) -> None:
         """Pack each example's fed columns to the front of the cache and its keys (stable: their
-        order is kept), and crop the padding every example has past its own."""
+        order is kept), and crop the padding every example has past its own (under fixed shapes,
+        keep it, after them)."""
         padding = batch.keys == batch.padding_code                                     # (B', N)
-        order = torch.sort(padding, dim=1, stable=True).indices[:, :most_fed]          # (B', N')
+        order = torch.sort(padding, dim=1, stable=True).indices                        # (B', N)
+        if batch.most_columns is None:
+            order = order[:, :most_fed]                                                # (B', N')
         batch.cache.gather_slots(order)
         batch.keys = batch.keys.gather(1, order)
+        batch.written = most_fed
 
     def _output(self, examples: list[Example], batch_calls: int) -> DecodeOutput:
         """Line 14: every example's non-empty subsequences, in order (their e dropped), and what

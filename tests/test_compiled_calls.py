@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from decoders import available, build_decoder
 import decoders.base
 import decoders.drafts
+import decoders.pipelined
 import decoders.sequential
 from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_step, run_decoder
 from decoders.cache import ATTENDED_SLOTS_STEP
@@ -62,7 +63,8 @@ def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(n
     monkeypatch.setattr(decoders.base, "compiled_encode", lambda: recording_encode)
     monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
     monkeypatch.setattr(decoders.sequential, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
-    monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
+    for loop in (decoders.drafts, decoders.pipelined):
+        monkeypatch.setattr(loop, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
     decoder = with_drafter(build_decoder(name, model.config, SPECIAL, compile=True,
                                          **bounded(name, 8)).eval(), model)
     batch = random_batch(3, seed=0)
@@ -139,7 +141,7 @@ def decoded_recording_shapes(decoder, model, batch, monkeypatch):
         return greedy_step(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
 
     with monkeypatch.context() as patch:
-        for loop in (decoders.sequential, decoders.drafts):
+        for loop in (decoders.sequential, decoders.drafts, decoders.pipelined):
             patch.setattr(loop, "fixed_shape_greedy_step", lambda model, shape: recording_step)
         return decoder.generate(model, *batch), shapes
 
@@ -252,17 +254,55 @@ def test_the_verify_loops_compiled_calls_run_in_a_few_shapes_and_give_the_eager_
     assert {shape[1] for shape in states} == {16}   # the source padded to a power of two
 
 
+@pytest.mark.parametrize("model_type", ["t5", "umt5", "bart"])
+def test_pipelineds_compiled_calls_run_in_a_few_shapes_and_give_the_eager_tokens(model_type, monkeypatch):
+    """Pipelined compiled: its columns written after the cache's in a cache made whole, attended in
+    a few widths; a power of two of columns; the live rows topped up to the batch's rows, then to
+    powers of two; the source padded. Run with its step eager, on a batch whose rows end apart and
+    run several subsequences at once, its output and calls are the eager loop's, with relative and
+    absolute positions."""
+    model, special = model_of(model_type)
+    options = {"max_new_tokens": 24, "max_subsequences": 6, "max_subsequence_length": 6}
+    eager = build_decoder("pipelined", model.config, special, **options).eval()
+    compiled = build_decoder("pipelined", model.config, special, compile=True, **options).eval()
+
+    def varied(*batch) -> bool:
+        """the rows end after different numbers of calls, and some call runs three subsequences
+        or more in a row (a column count that is no power of two)"""
+        out = eager.generate(model, *batch)
+        return len(set(out.decoder_calls)) > 1 and max(map(len, out.subsequences)) >= 3
+    batch = next(batch for batch in (random_batch(5, seed=seed) if model_type == "t5"
+                                     else family_batch(model_type, 5, seed=seed) for seed in range(40))
+                 if varied(*batch))
+    expected = eager.generate(model, *batch)
+    out, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
+    assert_same_output(out, expected)
+    assert out.decoder_calls == expected.decoder_calls
+    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
+    ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
+    columns = [fed[1] for fed in ids]
+    assert set(columns) <= {1, 2, 4, 6} and len(set(columns)) > 1   # powers of two, up to the slots
+    rows = [fed[0] for fed in ids]
+    assert rows[0] == 5 and rows == sorted(rows, reverse=True)
+    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
+    for fed, bias_shape, each_shape, attended, positions_shape in zip(ids, bias, each, width, positions):
+        assert each_shape == positions_shape == fed and bias_shape[-1] == attended
+    most_columns = options["max_new_tokens"] + 3 * options["max_subsequences"]
+    assert all(w % ATTENDED_SLOTS_STEP == 0 or w == most_columns for w in width)
+    assert {shape[1] for shape in states} == {16}
+
+
 @pytest.mark.slow   # compiling takes seconds
-@pytest.mark.parametrize("name", ["blockwise", "lookup"])
-def test_the_compiled_verify_loop_compiles_once_and_later_decodes_reuse_it(name, monkeypatch):
+@pytest.mark.parametrize("name", ["blockwise", "lookup", "pipelined"])
+def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_it(name, monkeypatch):
     """After decodes of one batch size, a decode of other inputs whose calls take only the shapes
     those met compiles nothing and gives the eager tokens and calls."""
     model = tiny_t5(0)
 
     def decoder(compile: bool):
         torch.manual_seed(0)
-        return build_decoder(name, model.config, SPECIAL, max_new_tokens=16, compile=compile,
-                             **ALWAYS_FEED).eval()
+        return build_decoder(name, model.config, SPECIAL, compile=compile, **bounded(name, 16),
+                             **always_feeding(name)).eval()
     compiled, eager = decoder(True), decoder(False)
     met = set()
     for seed in range(3):   # the warm-up

@@ -15,8 +15,7 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
 - with `--pipelined`, the library's pipelined decoder on a pipelined checkpoint of the same task:
   a model of its own, trained on the pipelined layout, so its tokens are not greedy `generate`'s;
 - with `--compiled`, each of the library's rows followed by its compiled twin
-  (`decoder.compile=true`; sequential's and the verify loop's steps compiled for fixed shapes,
-  pipelined's for symbolic ones, in the warm-up);
+  (`decoder.compile=true`; its steps compiled for fixed shapes, in the warm-up);
 - with `--ctranslate2`, the inference engine CTranslate2's greedy decoding of the same weights
   (exported as `tasks.export` exports them, then converted), float32 and int8
   (`pip install -e ".[bench]"`).
