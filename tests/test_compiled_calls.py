@@ -146,6 +146,24 @@ def decoded_recording_shapes(decoder, model, batch, monkeypatch):
         return decoder.generate(model, *batch), shapes
 
 
+def recorded_against_eager(eager, compiled, model, batch, monkeypatch):
+    """The shapes of `compiled`'s calls on `batch` (`decoded_recording_shapes`), as (fed ids, bias,
+    slots written, slots attended, positions, encoder states, cross mask) lists, once its output,
+    calls and call count are found to be `eager`'s; and the rows of each call."""
+    expected = eager.generate(model, *batch)
+    out, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
+    assert_same_output(out, expected)
+    assert out.decoder_calls == expected.decoder_calls
+    assert out.stats == expected.stats
+    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
+    ids = [shape[0] for shape in shapes]
+    rows = [fed[0] for fed in ids]
+    # the batch's rows: all of them, then powers of two, fewer each time, as rows finish
+    assert rows[0] == len(batch[0]) and rows == sorted(rows, reverse=True)
+    assert all(size & (size - 1) == 0 for size in set(rows) - {len(batch[0])})
+    return out, list(zip(*shapes)), rows
+
+
 def test_a_fixed_shape_batch_drops_finished_rows_only_down_to_a_power_of_two():
     assert rows_past_bucket([False] * 16) == [False] * 16
     assert rows_past_bucket([True] * 7 + [False] * 9) == [False] * 16      # 9 need 16 rows
@@ -170,23 +188,16 @@ def test_sequentials_compiled_loop_runs_its_calls_in_a_few_shapes_and_gives_the_
     batch = batch_ending_apart(model, special, bound=bound, longest_above=ATTENDED_SLOTS_STEP)
     eager = build_decoder("sequential", model.config, special, max_new_tokens=bound).eval()
     compiled = build_decoder("sequential", model.config, special, max_new_tokens=bound, compile=True).eval()
-    expected = eager.generate(model, *batch)
-    out, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
-    assert_same_output(out, expected)
-    assert out.decoder_calls == expected.decoder_calls
-    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
-    ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
-    # the batch's rows: all five, then powers of two, fewer each time, as rows finish
-    rows = [shape[0] for shape in ids]
-    assert rows[0] == 5 and rows == sorted(rows, reverse=True) and len(set(rows)) > 1
-    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
+    _, shapes, rows = recorded_against_eager(eager, compiled, model, batch, monkeypatch)
+    ids, bias, each, width, positions, states, cross_mask = shapes
+    assert len(set(rows)) > 1
     for kind in (ids, each, states, cross_mask):   # one shape per batch size
         assert len(set(zip(rows, kind))) == len(set(rows))
     assert len(set(positions)) == 1
     assert [shape[-1] for shape in bias] == list(width)   # the slots attended, in a few widths:
     # steps of ATTENDED_SLOTS_STEP, up to the bound
     assert list(width) == [
-        min(bound, -(-step // ATTENDED_SLOTS_STEP) * ATTENDED_SLOTS_STEP) for step in range(1, len(shapes) + 1)]
+        min(bound, -(-step // ATTENDED_SLOTS_STEP) * ATTENDED_SLOTS_STEP) for step in range(1, len(width) + 1)]
     assert len(set(width)) > 1
     assert states[0][1] == 16 > batch[0].size(1)   # the source padded to a power of two
 
@@ -233,18 +244,11 @@ def test_the_verify_loops_compiled_calls_run_in_a_few_shapes_and_give_the_eager_
         torch.manual_seed(0)   # the proposal heads: one set of weights both times
         return build_decoder("blockwise", model.config, special, max_new_tokens=bound, compile=compile,
                              **ALWAYS_FEED).to(model.dtype).eval()
-    expected = decoder(False).generate(model, *batch)
-    out, shapes = decoded_recording_shapes(decoder(True), model, batch, monkeypatch)
-    assert_same_output(out, expected)
-    assert out.decoder_calls == expected.decoder_calls
-    assert out.stats == expected.stats and out.stats["draft_tokens_accepted"] > 0
-    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
-    ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
+    out, shapes, rows = recorded_against_eager(decoder(False), decoder(True), model, batch, monkeypatch)
+    assert out.stats["draft_tokens_accepted"] > 0 and len(set(rows)) > 1
+    ids, bias, each, width, positions, states, cross_mask = shapes
     k = decoder(True).draft_width
     assert {fed[1] for fed in ids} == {1, k + 1}
-    rows = [fed[0] for fed in ids]
-    assert rows[0] == 5 and rows == sorted(rows, reverse=True) and len(set(rows)) > 1
-    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
     for call in zip(ids, bias, each, width, positions, states, cross_mask):
         fed, bias_shape, each_shape, attended, positions_shape, states_shape, mask_shape = call
         assert each_shape == positions_shape == fed and bias_shape[::2] == (fed[0], fed[1])
@@ -274,17 +278,10 @@ def test_pipelineds_compiled_calls_run_in_a_few_shapes_and_give_the_eager_tokens
     batch = next(batch for batch in (random_batch(5, seed=seed) if model_type == "t5"
                                      else family_batch(model_type, 5, seed=seed) for seed in range(40))
                  if varied(*batch))
-    expected = eager.generate(model, *batch)
-    out, shapes = decoded_recording_shapes(compiled, model, batch, monkeypatch)
-    assert_same_output(out, expected)
-    assert out.decoder_calls == expected.decoder_calls
-    assert out.batch_decoder_calls == expected.batch_decoder_calls == len(shapes)
-    ids, bias, each, width, positions, states, cross_mask = zip(*shapes)
+    _, shapes, rows = recorded_against_eager(eager, compiled, model, batch, monkeypatch)
+    ids, bias, each, width, positions, states, cross_mask = shapes
     columns = [fed[1] for fed in ids]
     assert set(columns) <= {1, 2, 4, 6} and len(set(columns)) > 1   # powers of two, up to the slots
-    rows = [fed[0] for fed in ids]
-    assert rows[0] == 5 and rows == sorted(rows, reverse=True)
-    assert all(size & (size - 1) == 0 for size in set(rows) - {5})
     for fed, bias_shape, each_shape, attended, positions_shape in zip(ids, bias, each, width, positions):
         assert each_shape == positions_shape == fed and bias_shape[-1] == attended
     most_columns = options["max_new_tokens"] + 3 * options["max_subsequences"]
