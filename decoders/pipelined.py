@@ -384,6 +384,7 @@ class PipelinedDecoder(Decoder):
         token, query = send([tokens, codes], batch.keys.device).unbind(0)               # (B', R) each
         if batch.most_columns is not None:
             greedy = self._fixed_shape_call(batch, token, query)[: len(running)]       # (live, R)
+            greedy = greedy.flatten() if cells is None else greedy[cells]              # (n,)
         else:
             appended = Slots(start=batch.written)     # the call's columns follow the cache's
             batch.keys = torch.cat([batch.keys, query], 1)                             # (B', N)
@@ -396,8 +397,6 @@ class PipelinedDecoder(Decoder):
             greedy = output_logits(batch.model, hidden).argmax(-1)
         batch.written += columns
         batch.batch_calls += 1
-        if batch.most_columns is not None:
-            greedy = greedy.flatten() if cells is None else greedy[cells]
         return batch.rows.read(greedy)
 
     def _fixed_shape_call(self, batch: Batch, token: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     bound, special = sequential.decoder.max_new_tokens, sequential.decoder.special
     batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
                                        backbone=sequential.backbone)}
-    # the library's rows, each followed by its compiled twin where --compiled: the same model
+    # the library's rows, each followed by its compiled twin where --compiled: the same checkpoint
     for name, flag, path in (("sequential", None, args.ckpt), ("lookup", None, args.ckpt),
                              ("blockwise", "--blockwise", args.blockwise),
                              (PIPELINED, "--pipelined", args.pipelined)):
