@@ -206,7 +206,8 @@ def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torc
                 encoder_states: torch.Tensor, encoder_mask: torch.Tensor,
                 cache: DecoderCache | None = None, slots: Slots | None = None,
                 positions: torch.Tensor | None = None,
-                position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+                position_embeddings: torch.Tensor | None = None, *,
+                attention: str | None = None) -> torch.Tensor:
     """The decoder stack with a precomputed self-attention bias (position bias + visibility mask).
 
     input_ids: (B, Q) new tokens; self_bias: (B or 1, heads, Q, keys) where keys = cached + Q tokens;
@@ -217,13 +218,17 @@ def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torc
     `positions` ((B or 1, Q) longs): each fed token's position in its output, which a family with
     absolute positions (`families.Family.absolute_positions`) embeds; T5 reads positions from the bias.
     `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings.
+    `attention`: the attention implementation the layers run, one of STRUCTURED_ATTENTION; the
+    model's own (`attn_implementation`) by default. Both give the same states.
 
     The layers run from the backbone's own modules and weights, as the model's own layers run them
     (the same operations, in the same order), without their per-call bookkeeping: a decoder call of
     a small model on a CPU is mostly Python, and that bookkeeping (cache lookups, kwargs, masks
     rebuilt, the attention dispatch) costs more than the arithmetic.
     """
-    implementation = attention_implementation(model.config)
+    if attention is not None and attention not in STRUCTURED_ATTENTION:
+        raise ValueError(f"attention={attention!r}; allowed: {STRUCTURED_ATTENTION}")
+    implementation = attention or attention_implementation(model.config)
     if implementation not in STRUCTURED_ATTENTION:
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
@@ -293,10 +298,12 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     return _recompiling_up_to_limit(torch.compile(run_decoder, dynamic=True))
 
 
-def greedy_step(model: PreTrainedModel, *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of greedy decoding: `run_decoder(model, *step)`'s hidden states (B, Q, d_model),
-    and the model's argmax token after each fed token (B, Q) from the output head."""
-    hidden = run_decoder(model, *step)
+def greedy_step(model: PreTrainedModel, *step: Any,
+                attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of greedy decoding: `run_decoder(model, *step, attention=attention)`'s hidden
+    states (B, Q, d_model), and the model's argmax token after each fed token (B, Q) from the
+    output head."""
+    hidden = run_decoder(model, *step, attention=attention)
     return hidden, output_logits(model, hidden).argmax(-1)
 
 
@@ -306,46 +313,67 @@ def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable
     and attended in a few widths, the source padded to a few widths (`source_at_fixed_width`),
     slots and positions given as tensors, a few batch sizes and numbers of fed tokens. One function
     per model and `shape` (a key of every shape of the call, which the loop gives), made at the
-    first call and kept while the model lives: no guard or kernel is symbolic, and every later
-    decode reuses it.
+    first call and kept while the model lives (`compiled_for`): no guard or kernel is symbolic, and
+    every later decode reuses it.
 
-    A call costs its kernels and little else: the graph's wrapper is C++ (inductor's
-    `cpp_wrapper`), and Dynamo checks only the tensors' guards (shape, dtype, device, strides of
-    the inputs and the model's weights), not those of the Python objects around them (the model's
-    modules and configuration, the cache object), which at the built-in sizes on a CPU take a
-    large share of a call's time otherwise. The function per model and shape stands in for them: its
-    key holds what else decides the graph (the attention implementation, training mode). So a
-    model whose modules or configuration change in place, other than by `train()`/`eval()` or
-    `to()`, needs a new model object to decode compiled."""
-    steps = _FIXED_SHAPE_STEPS.setdefault(model, {})
-    key = (shape, attention_implementation(model.config), model.training)
-    if key not in steps:
+    A call costs its kernels and little else: the graph's wrapper is C++, Dynamo checks the
+    tensors' guards only (`compiled_for`), and on a CPU the attention runs as plain products and a
+    softmax, which inductor fuses with the ops around them, and a product of one row (one fed token
+    of a batch of one) as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call: at a
+    decoder call's sizes SDPA's CPU kernel and a BLAS call cost more than their arithmetic."""
+    return compiled_for(model, _greedy_step, shape, dynamic=False,
+                        post_grad_fusion_options={"decompose_mm_pass": {}})
+
+
+def _greedy_step(model: PreTrainedModel, input_ids: torch.Tensor,
+                 *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    on_cpu = input_ids.device.type == "cpu"   # Dynamo guards on the device: a graph per device
+    return greedy_step(model, input_ids, *step, attention="eager" if on_cpu else None)
+
+
+def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+    """`encode` through torch.compile, for decodes under `decoder.compile=true`: one function per
+    model (`compiled_for`), symbolic shapes (a batch's source length changes from batch to batch).
+    At the built-in sizes on a CPU the eager encoder of one example costs as much as a few decoder
+    calls; compiled, it costs less than half that."""
+    return compiled_for(model, encode, "encoder", dynamic=True)(model, input_ids, attention_mask)
+
+
+def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dynamic: bool,
+                 **options: Any) -> Callable:
+    """`function` (of `model` first) through torch.compile, one compiled function per model and
+    `key`, made at the first call and kept while the model lives; with inductor's C++ wrapper and
+    its `options`.
+
+    Dynamo checks only the guards on tensors (shape, dtype, device, strides of the inputs and the
+    model's weights) and on symbolic shapes, not those of the Python objects around them (the
+    model's modules and configuration, the cache object), which at the built-in sizes on a CPU
+    take a large share of a call's time otherwise. The function per model and key stands in for
+    them: its key holds what else decides the graph (the attention implementation, training mode).
+    So a model whose modules or configuration change in place, other than by `train()`/`eval()`
+    or `to()`, needs a new model object to decode compiled."""
+    functions = _COMPILED.setdefault(model, {})
+    key = (function.__name__, key, attention_implementation(model.config), model.training)
+    if key not in functions:
         # a code object of its own: Dynamo keeps its graphs, and checks them, with the code
-        code = _greedy_step.__code__.replace(co_name=f"greedy_step_{len(steps)}")
-        step = types.FunctionType(code, _greedy_step.__globals__, code.co_name)
-        steps[key] = _recompiling_up_to_limit(torch.compile(
-            step, dynamic=False, options={"cpp_wrapper": True, "guard_filter_fn": _tensor_guards}))
-    return steps[key]
+        code = function.__code__.replace(co_name=f"{function.__name__}_{len(functions)}")
+        own = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__)
+        functions[key] = _recompiling_up_to_limit(torch.compile(
+            own, dynamic=dynamic,
+            options={"cpp_wrapper": True, "guard_filter_fn": _tensor_and_shape_guards, **options}))
+    return functions[key]
 
 
-# The compiled functions of `fixed_shape_greedy_step`, by model, then by key.
-_FIXED_SHAPE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-# Which of a graph's guards Dynamo keeps: those on tensors, the weights' included.
-_tensor_guards = functools.partial(torch.compiler.keep_tensor_guards_unsafe, keep_parameters=True)
+# The functions of `compiled_for`, by model, then by key.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _greedy_step(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    return greedy_step(*args)
-
-
-@functools.cache
-def compiled_encode() -> Callable[..., torch.Tensor]:
-    """`encode` through torch.compile, made once per process, for decodes under
-    `decoder.compile=true`: symbolic shapes (a batch's source length changes from batch to batch),
-    a C++ wrapper. At the built-in sizes on a CPU the eager encoder of one example costs as much
-    as a few decoder calls; compiled, it costs less than half that."""
-    return _recompiling_up_to_limit(torch.compile(encode, dynamic=True, options={"cpp_wrapper": True}))
+def _tensor_and_shape_guards(entries) -> list[bool]:
+    """Which of a graph's guards Dynamo keeps: those on tensors, the weights' included, and on
+    symbolic shapes."""
+    tensors = torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=True)
+    return [kept or entry.guard_type == "SHAPE_ENV" for kept, entry in zip(tensors, entries)]
 
 
 def _recompiling_up_to_limit(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

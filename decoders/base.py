@@ -166,7 +166,7 @@ class Decoder(nn.Module, abc.ABC):
     def encoder_pass(self) -> Callable[..., torch.Tensor]:
         """What a decode runs the backbone's encoder with, once per batch: `backbone.encode`, or,
         when it `compiles`, that function through torch.compile (`backbone.compiled_encode`)."""
-        return compiled_encode() if self.compiles() else encode
+        return compiled_encode if self.compiles() else encode
 
     def model_step(self) -> Callable[..., torch.Tensor]:
         """What a decoding loop runs the backbone's decoder layers with: `backbone.run_decoder`, or,

@@ -39,13 +39,17 @@ def test_run_decoder_follows_the_given_structure_under_sdpa():
     visible[:, :, 0] = True
     relative = torch.randn(2, 4, 4, 7, generator=g)                 # (B, heads, Q, K)
     outputs = []
-    for model in (eager, sdpa):
+    # each model under its own implementation, then under the other one given as `attention`
+    for model, attention in ((eager, None), (sdpa, None), (sdpa, "eager"), (eager, "sdpa")):
         states = encode(model, input_ids, attention_mask)
         cache = DecoderCache(len(model.decoder.block))
-        run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache, Slots(start=0))
+        run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache, Slots(start=0),
+                    attention=attention)
         bias = relative + hidden_mask(visible, relative.dtype)
-        outputs.append(run_decoder(model, new, bias, states, attention_mask, cache, Slots(start=3)))
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10)
+        outputs.append(run_decoder(model, new, bias, states, attention_mask, cache, Slots(start=3),
+                                   attention=attention))
+    for other in outputs[1:]:
+        torch.testing.assert_close(other, outputs[0], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -107,6 +111,9 @@ def test_other_implementations_fail_clearly():
     input_ids, attention_mask = random_batch(1, seed=3)
     with pytest.raises(ValueError, match="attn_implementation in \\('eager', 'sdpa'\\).*'flash_attention_2'"):
         run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3])
+    with pytest.raises(ValueError, match="attention='flash'; allowed: \\('eager', 'sdpa'\\)"):
+        run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3],
+                    attention="flash")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -45,7 +45,7 @@ def test_the_option_compiles_the_decoding_step_only(name):
     with torch.no_grad():
         assert eager.model_step() is run_decoder and eager.encoder_pass() is encode
         assert compiled.model_step() is compiled_run_decoder()
-        assert compiled.encoder_pass() is compiled_encode()
+        assert compiled.encoder_pass() is compiled_encode
     with torch.enable_grad():
         assert compiled.model_step() is run_decoder and compiled.encoder_pass() is encode
 
@@ -60,7 +60,7 @@ def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(n
     def recording_encode(*args):
         encoded.append(args[1].shape)
         return encode(*args)
-    monkeypatch.setattr(decoders.base, "compiled_encode", lambda: recording_encode)
+    monkeypatch.setattr(decoders.base, "compiled_encode", recording_encode)
     monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
     monkeypatch.setattr(decoders.sequential, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
     for loop in (decoders.drafts, decoders.pipelined):
@@ -320,7 +320,7 @@ def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_i
 def test_compiled_sequential_steps_are_kept_per_model_and_freed_with_it():
     """Two models of one shape key but other structures (T5's feed-forward layers and gated ones) each decode
     compiled to their eager tokens in one process. A model let go is freed, with the compiled steps
-    kept for it."""
+    and encoder kept for it."""
     batch = random_batch(4, seed=3)
     outputs = []
     for model in (tiny_t5(0), tiny_t5(1, feed_forward_proj="gated-gelu")):
