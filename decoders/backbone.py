@@ -325,6 +325,12 @@ def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable
                         post_grad_fusion_options={"decompose_mm_pass": {}})
 
 
+def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool:
+    """Whether `fixed_shape_greedy_step(model, shape)` was made already: else its first call
+    compiles it, which takes seconds."""
+    return _compiled_key(model, _greedy_step, shape) in _COMPILED.get(model, {})
+
+
 def _greedy_step(model: PreTrainedModel, input_ids: torch.Tensor,
                  *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
     on_cpu = input_ids.device.type == "cpu"   # Dynamo guards on the device: a graph per device
@@ -354,7 +360,7 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
     So a model whose modules or configuration change in place, other than by `train()`/`eval()`
     or `to()`, needs a new model object to decode compiled."""
     functions = _COMPILED.setdefault(model, {})
-    key = (function.__name__, key, attention_implementation(model.config), model.training)
+    key = _compiled_key(model, function, key)
     if key not in functions:
         # a code object of its own: Dynamo keeps its graphs, and checks them, with the code
         code = function.__code__.replace(co_name=f"{function.__name__}_{len(functions)}")
@@ -367,6 +373,12 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
 
 # The functions of `compiled_for`, by model, then by key.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_key(model: PreTrainedModel, function: Callable, key: Hashable) -> tuple:
+    """What decides a graph of `function` besides its tensors: `key`, the attention
+    implementation, training mode."""
+    return function.__name__, key, attention_implementation(model.config), model.training
 
 
 def _tensor_and_shape_guards(entries) -> list[bool]:

@@ -84,6 +84,10 @@ class Tally(NamedTuple):
 
 # The latest calls of each shape whose median `CallCosts` keeps.
 CALLS_KEPT = 15
+# The calls of a shape timed before its median enters the fit: a shape's first calls after its
+# step was compiled, or its memory first touched, run slower than the later ones, and a shape
+# measured once too slow is fed no more, so never measured again.
+CALLS_TO_FIT = 3
 # At most this many drafts of the earlier decodes weigh in a decode's start (`FeedingRecord.prior`):
 # enough to feed its first drafts where they pay, few enough that its own soon outweigh them.
 PRIOR_TRIES = 8
@@ -92,9 +96,10 @@ PRIOR_TRIES = 8
 class CallCosts:
     """What a verify loop's calls cost, measured over its decodes on one device: the seconds of each
     call and its one host sync, by its shape (rows, and tokens fed per row: the newest and the
-    draft columns); per shape the median of its latest CALLS_KEPT calls, and through those a
-    least-squares fit of seconds = a + b·rows + c·rows·tokens per row (a call's own cost, a row's,
-    a fed token's), fitted again after every CALLS_KEPT calls or a shape not timed before. Rows and
+    draft columns); per shape the median of its latest CALLS_KEPT calls, and through those of the
+    shapes timed CALLS_TO_FIT times or more a least-squares fit of seconds = a + b·rows +
+    c·rows·tokens per row (a call's own cost, a row's, a fed token's), fitted again after every
+    CALLS_KEPT calls or a shape that enters it. Rows and
     fed tokens are fitted apart: a batch's calls grow cheaper as its rows end, which is not what
     feeding costs."""
 
@@ -104,21 +109,20 @@ class CallCosts:
         self.since_fit = 0
 
     def add(self, rows: int, queries: int, seconds: float) -> None:
-        if (rows, queries) not in self.seconds:
-            self.fit = None
-        self.seconds.setdefault((rows, queries), deque(maxlen=CALLS_KEPT)).append(seconds)
+        calls = self.seconds.setdefault((rows, queries), deque(maxlen=CALLS_KEPT))
+        calls.append(seconds)
         self.since_fit += 1
-        if self.since_fit >= CALLS_KEPT:
+        if len(calls) == CALLS_TO_FIT or self.since_fit >= CALLS_KEPT:
             self.fit = None
 
     def extra(self, rows: int, columns: int) -> float:
         """The share of a call's time that feeding `columns` draft columns beside each of its `rows`
-        rows' newest token adds, by the fit; 0 until two shapes were timed: a loop learns what
-        feeding costs by feeding."""
-        if len(self.seconds) < 2:
+        rows' newest token adds, by the fit; 0 until two shapes were timed CALLS_TO_FIT times: a
+        loop learns what feeding costs by feeding."""
+        shapes = [shape for shape, calls in self.seconds.items() if len(calls) >= CALLS_TO_FIT]
+        if len(shapes) < 2:
             return 0.0
         if self.fit is None:
-            shapes = list(self.seconds)
             medians = [statistics.median(self.seconds[shape]) for shape in shapes]
             self.fit, self.since_fit = (*fitted_costs(shapes, medians), min(medians)), 0
         a, b, c, cheapest = self.fit

@@ -24,8 +24,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, output_logits, sizes,
-                               source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, has_fixed_shape_greedy_step,
+                               output_logits, sizes, source_at_fixed_width)
 from decoders.base import Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
@@ -248,7 +248,7 @@ class Called(NamedTuple):
     accepted: torch.Tensor | None    # (live,) draft tokens accepted; None where none were fed
     first_end: torch.Tensor | None   # (live,) fed index of the first end token (Q: none); the same
     early: Draft | None              # the next drafts where the drafter drafts on the device
-    started: float = 0.0             # when the call began, on the host clock
+    started: float | None = 0.0      # when the call began, on the host clock; None: not timed
 
 
 class CallRead(NamedTuple):
@@ -314,7 +314,7 @@ class VerifyLoop:
         draft tokens and its first end token among them."""
         device, host, started = state.device, state.host, time.perf_counter()
         if self.fixed_shapes:
-            return self.fixed_shape_call(state)._replace(started=started)
+            return self.fixed_shape_call(state, started)
         queries, tables = device.fed.size(1), self.per_queries[device.fed.size(1)]
         highest = max(host.counts)
         if min(host.counts) == highest:   # every row at one count (always at batch size 1)
@@ -336,12 +336,13 @@ class VerifyLoop:
             return self.called(state, hidden, tokens, count, slots)._replace(started=started)
         return self.checked(state, device.fed, hidden, count, slots)._replace(started=started)
 
-    def fixed_shape_call(self, state: LoopState) -> Called:
+    def fixed_shape_call(self, state: LoopState, started: float) -> Called:
         """`call` in a few fixed shapes, each compiled once (`backbone.fixed_shape_greedy_step`):
         every row at its own slots of a cache made whole at the first call (`most_slots`), attended
         in widths of `cache.ATTENDED_SLOTS_STEP`; 1 or k + 1 fed tokens, a row's tokens past its
         offer filler; the live rows topped up to the cache's P rows with copies of the first, whose
-        tokens the call discards. The tokens and counts are `call`'s."""
+        tokens the call discards. The tokens and counts are `call`'s; a call that compiles its step
+        is not `started` on the clock: its time is the compiling's, not what the call costs."""
         device, host = state.device, state.host
         live, rows = len(host.examples), device.encoder_states.size(0)
         fed = device.fed                                                             # (live, Q)
@@ -360,14 +361,15 @@ class VerifyLoop:
         # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
         # and whether the call makes the cache
         shape = (rows, queries, device.encoder_states.size(1), slots.width, host.batch_calls == 0)
+        timed = started if has_fixed_shape_greedy_step(self.model, shape) else None
         hidden, greedy = fixed_shape_greedy_step(self.model, shape)(
             self.model, every_row, bias, device.encoder_states, device.cross_mask, device.cache,
             slots, slots.each)
         hidden, greedy, count = hidden[:live], greedy[:live], count[:live]           # the live rows'
         slots = slots._replace(each=slots.each[:live])
         if queries == 1:
-            return self.called(state, hidden, greedy, count, slots)
-        return self.checked(state, fed, hidden, count, slots, greedy)
+            return self.called(state, hidden, greedy, count, slots)._replace(started=timed)
+        return self.checked(state, fed, hidden, count, slots, greedy)._replace(started=timed)
 
     def checked(self, state: LoopState, fed: torch.Tensor, hidden: torch.Tensor,
                 count: int | torch.Tensor, slots: Slots, greedy: torch.Tensor | None = None) -> Called:
@@ -438,7 +440,8 @@ class VerifyLoop:
     def settle(self, state: LoopState, called: Called) -> LoopState:
         """After a call: its one host sync, the host's decisions, and the next call's rows."""
         read = self.read(state, called)
-        if self.record is not None:   # the call and its sync, by its rows and fed tokens per row
+        if self.record is not None and called.started is not None:
+            # the call and its sync, by its rows and fed tokens per row
             self.record.costs.add(*state.device.fed.shape, time.perf_counter() - called.started)
         return self.go_on(self.decide(state, called, read), called, read)
 

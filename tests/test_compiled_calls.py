@@ -15,6 +15,7 @@ import decoders.pipelined
 import decoders.sequential
 from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_step, run_decoder
 from decoders.cache import ATTENDED_SLOTS_STEP
+from decoders.draft_policy import CallCosts
 from decoders.sequential import rows_past_bucket
 from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
@@ -256,6 +257,29 @@ def test_the_verify_loops_compiled_calls_run_in_a_few_shapes_and_give_the_eager_
     most_slots = bound + k + 1
     assert all(w % ATTENDED_SLOTS_STEP == 0 or w == most_slots for w in width) and len(set(width)) > 1
     assert {shape[1] for shape in states} == {16}   # the source padded to a power of two
+
+
+def test_the_verify_loops_compiled_calls_that_compile_are_not_timed(monkeypatch):
+    """Measured (`min_acceptance` null, lookup's default): a compiled call whose step is made at
+    that call, which compiles it (seconds), is not a call's cost the rule learns from; every other
+    call is timed. (The steps run eagerly here, made where the loop asks for them.)"""
+    model = tiny_t5(0)
+    made, timed = set(), []
+
+    def making(model, shape):
+        made.add(shape)
+        return greedy_step
+    monkeypatch.setattr(decoders.base, "compiled_encode", encode)
+    monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step", making)
+    monkeypatch.setattr(decoders.drafts, "has_fixed_shape_greedy_step", lambda model, shape: shape in made)
+    monkeypatch.setattr(CallCosts, "add", lambda self, rows, queries, seconds: timed.append(seconds))
+    decoder = build_decoder("lookup", model.config, SPECIAL, compile=True, **bounded("lookup", 16)).eval()
+    assert decoder.min_acceptance is None
+    for seed in range(2):   # the second decode meets fewer new shapes
+        before, timed_before = len(made), len(timed)
+        out = decoder.generate(model, *random_batch(4, seed=seed))
+        assert len(timed) - timed_before == out.batch_decoder_calls - (len(made) - before)
+    assert len(made) > 0 and len(timed) > 0
 
 
 @pytest.mark.parametrize("model_type", ["t5", "umt5", "bart"])

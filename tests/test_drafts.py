@@ -17,7 +17,7 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
-from decoders.draft_policy import (ADAPTIVE, DRAFT_LENGTH, FIXED, MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES,
+from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, DRAFT_LENGTH, FIXED, MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES,
                                    CallCosts, FeedingRecord, Tally, call_width, counted_positions,
                                    fed_offers, next_draft_lengths)
 from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
@@ -275,17 +275,19 @@ def test_measured_drafts_are_fed_where_they_pay_for_their_cost(monkeypatch, on_h
 def test_call_costs_fit_a_calls_rows_and_its_fed_tokens_apart():
     costs = CallCosts()
     costs.add(1, 1, 1.75)
-    assert costs.extra(1, 4) == 0.0                     # one shape timed: not known yet, feed
-    costs.add(1, 1, 90.0)                               # a call that compiled: its median ignores it
+    costs.add(1, 1, 90.0)                               # a slow first call: its median ignores it
     costs.add(1, 1, 1.75)
-    for queries in (5, 3):   # seconds = 1.5 + 0.25 x tokens at batch size 1
+    costs.add(1, 5, 9.0)                                # a shape's slow first call
+    assert costs.extra(1, 4) == 0.0                     # one shape in the fit: not known yet, feed
+    for queries in (5, 5, 3, 3, 3):   # seconds = 1.5 + 0.25 x tokens at batch size 1
         costs.add(1, queries, 1.5 + 0.25 * queries)
     assert costs.extra(1, 4) == pytest.approx(1 / 1.75)   # 4 columns at 1 row add 1 to 1.75
     # seconds = 1 + 0.5 x rows + 0.25 x fed tokens: rows that end make calls cheaper, which a line
     # in fed tokens alone would have charged to feeding
     costs = CallCosts()
-    for rows, queries in ((16, 1), (16, 4), (8, 1), (8, 4), (3, 1), (1, 1)):
+    for rows, queries in ((16, 1), (16, 4), (8, 1), (8, 4), (3, 1), (1, 1)) * CALLS_TO_FIT:
         costs.add(rows, queries, 1 + 0.5 * rows + 0.25 * rows * queries)
+    costs.add(2, 4, 100.0)                              # timed once: not in the fit
     assert costs.extra(16, 3) == pytest.approx(0.25 * 16 * 3 / (1 + 8 + 4))
 
 
