@@ -295,7 +295,8 @@ def compiled_run_decoder() -> Callable[..., torch.Tensor]:
     and per-op dispatch overhead removed and element-wise ops fused. Shapes are symbolic
     (`dynamic=True`): a call's batch, fed tokens and cache length change from call to call. The
     first calls of each new model or shape compile, which takes seconds to a minute."""
-    return _recompiling_up_to_limit(torch.compile(run_decoder, dynamic=True))
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)(
+        torch.compile(run_decoder, dynamic=True))
 
 
 def greedy_step(model: PreTrainedModel, *step: Any,
@@ -365,9 +366,11 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
         # a code object of its own: Dynamo keeps its graphs, and checks them, with the code
         code = function.__code__.replace(co_name=f"{function.__name__}_{len(functions)}")
         own = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__)
-        functions[key] = _recompiling_up_to_limit(torch.compile(
+        # its own code object keeps its graphs few (a model's dtypes and devices): Dynamo's
+        # default limit of them holds, and no configuration is patched around each call
+        functions[key] = torch.compile(
             own, dynamic=dynamic,
-            options={"cpp_wrapper": True, "guard_filter_fn": _tensor_and_shape_guards, **options}))
+            options={"cpp_wrapper": True, "guard_filter_fn": _tensor_and_shape_guards, **options})
     return functions[key]
 
 
@@ -386,10 +389,6 @@ def _tensor_and_shape_guards(entries) -> list[bool]:
     symbolic shapes."""
     tensors = torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=True)
     return [kept or entry.guard_type == "SHAPE_ENV" for kept, entry in zip(tensors, entries)]
-
-
-def _recompiling_up_to_limit(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)(compiled)
 
 
 class _Apply(nn.Module):
