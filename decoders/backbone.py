@@ -309,31 +309,39 @@ def greedy_step(model: PreTrainedModel, *step: Any,
 
 
 def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`greedy_step` through torch.compile for fixed shapes (`dynamic=False`), for loops whose
-    calls take a few shapes only (sequential, the verify loop, pipelined): a cache written at slot = position
-    and attended in a few widths, the source padded to a few widths (`source_at_fixed_width`),
-    slots and positions given as tensors, a few batch sizes and numbers of fed tokens. One function
-    per model and `shape` (a key of every shape of the call, which the loop gives), made at the
-    first call and kept while the model lives (`compiled_for`): no guard or kernel is symbolic, and
-    every later decode reuses it.
+    """`greedy_step` compiled for fixed shapes (`fixed_shape_compiled`), for loops whose calls
+    take a few shapes only (the verify loop, pipelined): a cache written at slot = position and
+    attended in a few widths, the source padded to a few widths (`source_at_fixed_width`), slots
+    and positions given as tensors, a few batch sizes and numbers of fed tokens."""
+    return fixed_shape_compiled(model, greedy_step_as_compiled, shape)
+
+
+def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hashable) -> Callable:
+    """`function` (of `model`, then tensors; e.g. `greedy_step_as_compiled`, or a loop's step
+    built on it) through torch.compile for fixed shapes (`dynamic=False`): one function per model,
+    `function` and `shape` (a key of every shape of the call, which the loop gives), made at the
+    first call and kept while the model lives (`compiled_for`): no guard or kernel is symbolic,
+    and every later decode reuses it.
 
     A call costs its kernels and little else: the graph's wrapper is C++, Dynamo checks the
-    tensors' guards only (`compiled_for`), and on a CPU the attention runs as plain products and a
-    softmax, which inductor fuses with the ops around them, and a product of one row (one fed token
-    of a batch of one) as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call: at a
-    decoder call's sizes SDPA's CPU kernel and a BLAS call cost more than their arithmetic."""
-    return compiled_for(model, _greedy_step, shape, dynamic=False,
+    tensors' guards only (`compiled_for`), and on a CPU a product of one row (one fed token of a
+    batch of one) runs as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call: at a
+    decoder call's sizes a BLAS call costs more than its arithmetic."""
+    return compiled_for(model, function, shape, dynamic=False,
                         post_grad_fusion_options={"decompose_mm_pass": {}})
 
 
 def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool:
     """Whether `fixed_shape_greedy_step(model, shape)` was made already: else its first call
     compiles it, which takes seconds."""
-    return _compiled_key(model, _greedy_step, shape) in _COMPILED.get(model, {})
+    return _compiled_key(model, greedy_step_as_compiled, shape) in _COMPILED.get(model, {})
 
 
-def _greedy_step(model: PreTrainedModel, input_ids: torch.Tensor,
-                 *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,
+                            *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_step` with the attention a compiled step runs: on a CPU plain products and a
+    softmax, which inductor fuses with the ops around them (SDPA's CPU kernel costs more than its
+    arithmetic at a decoder call's sizes); elsewhere the model's own."""
     on_cpu = input_ids.device.type == "cpu"   # Dynamo guards on the device: a graph per device
     return greedy_step(model, input_ids, *step, attention="eager" if on_cpu else None)
 

@@ -17,20 +17,22 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         finished rows kept in the batch (their tokens discarded) until the unfinished ones fit half
         of it, when it shrinks to the power of two that holds them; so a few graphs per batch size
         and source width serve every step of every decode. Its compiled step is the whole call: the
-        decoder layers, the output head and the argmax (`backbone.fixed_shape_greedy_step`).
+        decoder layers, the output head, the argmax and the loop's bookkeeping of the step (which
+        rows finished, the token each row keeps), `next_tokens` through
+        `backbone.fixed_shape_compiled`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_greedy_step,
-                               made_from_bias_weight, output_logits, past_distance_bias_table, sizes,
-                               source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_compiled,
+                               greedy_step_as_compiled, made_from_bias_weight, output_logits,
+                               past_distance_bias_table, sizes, source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
@@ -103,15 +105,17 @@ class SequentialDecoder(Decoder):
 
     def _fixed_shape_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
         """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
-        shape (`fixed_shape_greedy_step`): the source padded to a power of two, finished rows
-        kept (their later tokens not produced) until the unfinished ones fit a batch of half the
-        rows or fewer, which then holds them, topped up with finished rows to a power of two."""
+        shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a power of two,
+        finished rows kept (their later tokens not produced) until the unfinished ones fit a batch
+        of half the rows or fewer, which then holds them, topped up with finished rows to a power
+        of two."""
         batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
         encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
         steps = fixed_shape_steps(model, bound, batch_size)
         cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
         rows = LiveRows(batch_size, device)
+        end = torch.tensor(self.special.eos, device=device)   # a tensor: no graph per end token
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
         step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
@@ -120,11 +124,9 @@ class SequentialDecoder(Decoder):
             # one compiled function per shape: the rows, the source's and the attended slots'
             # widths, and whether the call makes the cache
             shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
-            _, tokens = fixed_shape_greedy_step(model, shape)(
-                model, step_input, bias, encoder_states, cross_mask, cache, slots, positions)
-            next_tokens = tokens[:, -1]
-            produced[rows.index, step] = next_tokens.masked_fill(finished, NOT_PRODUCED)
-            finished = finished | (next_tokens == self.special.eos)
+            step_input, produced[rows.index, step], finished = fixed_shape_compiled(
+                model, next_tokens, shape)(model, step_input, finished, end, bias, encoder_states,
+                                           cross_mask, cache, slots, positions)
             if step + 1 == bound:
                 break
             done = rows.read(finished)
@@ -132,11 +134,21 @@ class SequentialDecoder(Decoder):
                 break
             dropped = rows_past_bucket(done)
             if any(dropped):
-                encoder_states, cross_mask, next_tokens, finished = rows.drop(
-                    dropped, cache, encoder_states, cross_mask, next_tokens, finished)
-                steps = fixed_shape_steps(model, bound, next_tokens.size(0))
-            step_input = next_tokens[:, None]
+                encoder_states, cross_mask, step_input, finished = rows.drop(
+                    dropped, cache, encoder_states, cross_mask, step_input, finished)
+                steps = fixed_shape_steps(model, bound, step_input.size(0))
         return produced, step + 1
+
+
+def next_tokens(model: PreTrainedModel, step_input: torch.Tensor, finished: torch.Tensor,
+                end: torch.Tensor, *step: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of a fixed-shape sequential decode (`greedy_step_as_compiled` of `step_input`
+    (B, 1) and the rest of the call `step`), with its bookkeeping: the next call's input (B, 1),
+    the token each row keeps (B,) (NOT_PRODUCED where the row had `finished` before), and which
+    rows have finished after it (B,): those that had, and those whose token is `end`."""
+    _, tokens = greedy_step_as_compiled(model, step_input, *step)      # (B, 1)
+    token = tokens[:, -1]
+    return tokens, token.masked_fill(finished, NOT_PRODUCED), finished | (token == end)
 
 
 def rows_past_bucket(done: list[bool]) -> list[bool]:
