@@ -365,13 +365,15 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
     `key`, made at the first call and kept while the model lives; with inductor's C++ wrapper and
     its `options`.
 
-    Dynamo checks only the guards on tensors (shape, dtype, device, strides of the inputs and the
-    model's weights) and on symbolic shapes, not those of the Python objects around them (the
+    Dynamo checks only the guards on the inputs' tensors (shape, dtype, device, strides) and on
+    symbolic shapes, not those on the model's weights or on the Python objects around them (the
     model's modules and configuration, the cache object), which at the built-in sizes on a CPU
     take a large share of a call's time otherwise. The function per model and key stands in for
-    them: its key holds what else decides the graph (the attention implementation, training mode).
-    So a model whose modules or configuration change in place, other than by `train()`/`eval()`
-    or `to()`, needs a new model object to decode compiled."""
+    them: its key holds what else decides the graph (the attention implementation, training mode,
+    the weights' dtype and device and the vocabulary's size: `_compiled_key`); the weights' values
+    are read at every call. So a model whose modules, configuration or weights' shapes change in
+    place, other than by `train()`/`eval()`, `to()` or a resized vocabulary, needs a new model
+    object to decode compiled."""
     functions = _COMPILED.setdefault(model, {})
     key = _compiled_key(model, function, key)
     if key not in functions:
@@ -382,7 +384,7 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
         # default limit of them holds, and no configuration is patched around each call
         functions[key] = torch.compile(
             own, dynamic=dynamic,
-            options={"cpp_wrapper": True, "guard_filter_fn": _tensor_and_shape_guards, **options})
+            options={"cpp_wrapper": True, "guard_filter_fn": _input_and_shape_guards, **options})
     return functions[key]
 
 
@@ -391,15 +393,18 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiled_key(model: PreTrainedModel, function: Callable, key: Hashable) -> tuple:
-    """What decides a graph of `function` besides its tensors: `key`, the attention
-    implementation, training mode."""
-    return function.__name__, key, attention_implementation(model.config), model.training
+    """What decides a graph of `function` besides its inputs' tensors: `key`, the attention
+    implementation, training mode, and the weights' dtype, device and vocabulary, read from the
+    token embeddings (`to()` converts every weight alike; a resized vocabulary reshapes them)."""
+    embeddings = model.get_input_embeddings().weight
+    return (function.__name__, key, attention_implementation(model.config), model.training,
+            embeddings.dtype, embeddings.device, embeddings.size(0))
 
 
-def _tensor_and_shape_guards(entries) -> list[bool]:
-    """Which of a graph's guards Dynamo keeps: those on tensors, the weights' included, and on
-    symbolic shapes."""
-    tensors = torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=True)
+def _input_and_shape_guards(entries) -> list[bool]:
+    """Which of a graph's guards Dynamo keeps: those on the inputs' tensors (not the weights':
+    `_compiled_key` holds what of them decides a graph) and on symbolic shapes."""
+    tensors = torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=False)
     return [kept or entry.guard_type == "SHAPE_ENV" for kept, entry in zip(tensors, entries)]
 
 

@@ -361,3 +361,24 @@ def test_compiled_sequential_steps_are_kept_per_model_and_freed_with_it():
     gc.collect()
     assert alive() is None
     assert outputs[0] != outputs[1]   # not vacuous: the models decode differently
+
+
+@pytest.mark.slow   # compiling takes seconds
+def test_a_compiled_decode_reads_the_weights_at_every_call_and_compiles_again_for_another_dtype():
+    """Dynamo does not guard the weights (`compiled_for`): a compiled decode after the weights
+    changed in place gives the changed model's eager tokens, and one after the model was converted
+    to another dtype compiles for it and gives that model's eager tokens."""
+    model = tiny_t5(0)
+    batch = random_batch(3, seed=5)
+    compiled = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=8, compile=True).eval()
+    eager = build_decoder("sequential", model.config, SPECIAL, max_new_tokens=8).eval()
+    before = compiled.generate(model, *batch)
+    assert_same_output(before, eager.generate(model, *batch))
+    with torch.no_grad():   # another model's decoder weights, in place
+        for mine, theirs in zip(model.decoder.parameters(), tiny_t5(1).decoder.parameters()):
+            mine.copy_(theirs)
+    changed = compiled.generate(model, *batch)
+    assert_same_output(changed, eager.generate(model, *batch))
+    assert changed.subsequences != before.subsequences   # not vacuous: the weights decide
+    model.to(torch.float32 if model.dtype == torch.float64 else torch.float64)
+    assert_same_output(compiled.generate(model, *batch), eager.generate(model, *batch))
