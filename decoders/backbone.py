@@ -324,7 +324,7 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     and every later decode reuses it.
 
     A call costs its kernels and little else: the graph's wrapper is C++, Dynamo checks the
-    tensors' guards only (`compiled_for`), and on a CPU a product of one row (one fed token of a
+    inputs' tensor guards only (`compiled_for`), and on a CPU a product of one row (one fed token of a
     batch of one) runs as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call: at a
     decoder call's sizes a BLAS call costs more than its arithmetic. The wrapper allocates the
     graph's intermediate tensors as one block (`memory_planning`), not one by one, and does not
