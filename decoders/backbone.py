@@ -324,9 +324,9 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     and every later decode reuses it.
 
     A call costs its kernels and little else: the graph's wrapper is C++, Dynamo checks the
-    inputs' tensor guards only (`compiled_for`), and on a CPU a product of one row (one fed token of a
-    batch of one) runs as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call: at a
-    decoder call's sizes a BLAS call costs more than its arithmetic. The wrapper allocates the
+    inputs' tensor guards only (`compiled_for`), and on a CPU a product of one row (one fed token
+    of a batch of one) runs as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call:
+    at a decoder call's sizes a BLAS call costs more than its arithmetic. The wrapper allocates the
     graph's intermediate tensors as one block (`memory_planning`), not one by one, and does not
     re-check its inputs' sizes and strides (`size_asserts` off), which Dynamo's guards check
     already: at a decoder call's sizes each allocation and check costs a share of the call."""
