@@ -172,8 +172,9 @@ class Decoder(nn.Module, abc.ABC):
         """What a decoding loop runs the backbone's decoder layers with: `backbone.run_decoder`, or,
         when it `compiles`, that function through torch.compile for symbolic shapes
         (`backbone.compiled_run_decoder`). A loop that keeps its calls in a few fixed shapes compiles
-        its own step for them (the verify loop, pipelined: `backbone.fixed_shape_greedy_step`;
-        sequential: its `next_tokens` through `backbone.fixed_shape_compiled`)."""
+        its own step for them (the verify loop: `backbone.fixed_shape_greedy_step`; sequential
+        and pipelined: their `next_tokens` and `greedy_columns` through
+        `backbone.fixed_shape_compiled`)."""
         return compiled_run_decoder() if self.compiles() else run_decoder
 
     def trains_backbone(self) -> bool:

@@ -42,7 +42,8 @@ Decoding is batched and cached: per call each example feeds its running subseque
 padded to the batch's largest count (B, R); the key/value cache grows by R columns per call;
 padding columns lie in no query's past (`Grid`), so no mask is kept for them. Finished examples
 are dropped from the batch and the cache. Compiled (`decoder.compile`), its calls take a few fixed
-shapes (`_fixed_shape_call`).
+shapes (`_fixed_shape_call`), each call's model part and bias one compiled function
+(`greedy_columns`).
 
 Code. `generate` is Algorithm 1 top to bottom: `_start` (lines 1-3), then per time step
 `_start_subsequences` (lines 5-7), `_call` (line 8: one decoder call, its tokens read back),
@@ -62,9 +63,10 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (cross_attention_mask, encode, fixed_shape_greedy_step, HeadTable,
-                               made_from_bias_weight, output_logits, past_distance_bias_table,
-                               run_decoder, sizes, source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, encode, fixed_shape_compiled,
+                               greedy_step_as_compiled, HeadTable, made_from_bias_weight,
+                               output_logits, past_distance_bias_table, run_decoder, sizes,
+                               source_at_fixed_width)
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, fixed_shape_rows, send, topped_up
@@ -138,6 +140,26 @@ def attention_bias(table: HeadTable, query: Grid, key: Grid) -> torch.Tensor:
     batch = query.code.size(0)
     based = query.code.view(batch, 1, -1, 1) + table.base                              # (B, heads, Q, 1)
     return table.gather(based - key.code.view(batch, 1, 1, -1))
+
+
+def greedy_columns(model: PreTrainedModel, token: torch.Tensor, query: torch.Tensor,
+                   keys: torch.Tensor, written: torch.Tensor, table: HeadTable, width: int,
+                   attended: int, encoder_states: torch.Tensor, cross_mask: torch.Tensor,
+                   cache: DecoderCache) -> torch.Tensor:
+    """One call of a fixed-shape pipelined decode, its bookkeeping included: the call's `Grid`
+    codes `query` (B', R) written to `keys` (B', N) at the columns `written` (R,), the bias of its
+    queries over the first `attended` columns, and the greedy step of `token` (B', R) at those
+    columns of every row of `cache` (`greedy_step_as_compiled`). Returns the argmax after every
+    column (B', R)."""
+    rows = token.size(0)
+    keys[:, written] = query
+    query = Grid(query, width)
+    bias = attention_bias(table, query, Grid(keys[:, :attended], width))
+    appended = Slots(each=written.expand(rows, -1),
+                     rows=torch.arange(rows, device=token.device)[:, None], width=attended)
+    _, greedy = greedy_step_as_compiled(model, token, bias, encoder_states, cross_mask, cache,
+                                        appended, query.offset)
+    return greedy
 
 
 # ---- decoding state ----------------------------------------------------------------------------
@@ -400,26 +422,20 @@ class PipelinedDecoder(Decoder):
         return batch.rows.read(greedy)
 
     def _fixed_shape_call(self, batch: Batch, token: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """`_call`'s model part in a few fixed shapes, each compiled once
-        (`backbone.fixed_shape_greedy_step`): the call's R columns written after the `written`
-        ones, in every row of a cache of `most_columns`, attended in widths of
-        `cache.ATTENDED_SLOTS_STEP`; the live rows topped up to the batch's rows with copies of the
-        first. Returns the argmax after every column (B', R)."""
+        """`_call`'s model part in a few fixed shapes, each compiled once (`greedy_columns` through
+        `backbone.fixed_shape_compiled`): the call's R columns written after the `written` ones, in
+        every row of a cache of `most_columns`, attended in widths of `cache.ATTENDED_SLOTS_STEP`;
+        the live rows topped up to the batch's rows with copies of the first. Returns the argmax
+        after every column (B', R)."""
         rows, columns = batch.encoder_states.size(0), token.size(1)
-        token, query = topped_up(token, rows), topped_up(query, rows)
+        attended = attended_width(batch.written + columns, batch.most_columns)
         written = torch.arange(batch.written, batch.written + columns, device=token.device)
-        appended = Slots(each=written.expand(rows, -1), rows=torch.arange(rows, device=token.device)[:, None],
-                         width=attended_width(batch.written + columns, batch.most_columns))
-        batch.keys[:, batch.written: batch.written + columns] = query
-        query = Grid(query, batch.width)
-        bias = attention_bias(batch.table, query, Grid(batch.keys[:, : appended.width], batch.width))
-        # one compiled step per shape: the rows, columns, source's and attended columns' widths,
-        # and whether the call makes the cache
-        shape = (rows, columns, batch.encoder_states.size(1), appended.width, batch.batch_calls == 0)
-        _, greedy = fixed_shape_greedy_step(batch.model, shape)(
-            batch.model, token, bias, batch.encoder_states, batch.cross_mask, batch.cache, appended,
-            query.offset)
-        return greedy
+        # one compiled function per shape: the rows, columns, source's and attended columns'
+        # widths, the grid's width, and whether the call makes the cache
+        shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width, batch.batch_calls == 0)
+        return fixed_shape_compiled(batch.model, greedy_columns, shape)(
+            batch.model, topped_up(token, rows), topped_up(query, rows), batch.keys, written,
+            batch.table, batch.width, attended, batch.encoder_states, batch.cross_mask, batch.cache)
 
     def _append(self, live: list[Example], tokens: list[int]) -> None:
         """Lines 9-11: each running subsequence's token is written to its slot, in subsequence

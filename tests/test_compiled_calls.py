@@ -63,9 +63,9 @@ def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(n
         return encode(*args)
     monkeypatch.setattr(decoders.base, "compiled_encode", recording_encode)
     monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
-    monkeypatch.setattr(decoders.sequential, "fixed_shape_compiled", lambda model, function, shape: function)
-    for loop in (decoders.drafts, decoders.pipelined):
-        monkeypatch.setattr(loop, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
+    for loop in (decoders.sequential, decoders.pipelined):
+        monkeypatch.setattr(loop, "fixed_shape_compiled", lambda model, function, shape: function)
+    monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
     decoder = with_drafter(build_decoder(name, model.config, SPECIAL, compile=True,
                                          **bounded(name, 8)).eval(), model)
     batch = random_batch(3, seed=0)
@@ -142,11 +142,11 @@ def decoded_recording_shapes(decoder, model, batch, monkeypatch):
         return greedy_step(model, ids, bias, encoder_states, cross_mask, cache, slots, positions)
 
     with monkeypatch.context() as patch:
-        for loop in (decoders.drafts, decoders.pipelined):
-            patch.setattr(loop, "fixed_shape_greedy_step", lambda model, shape: recording_step)
-        # sequential compiles its own step around the same one
-        patch.setattr(decoders.sequential, "fixed_shape_compiled", lambda model, function, shape: function)
-        patch.setattr(decoders.sequential, "greedy_step_as_compiled", recording_step)
+        patch.setattr(decoders.drafts, "fixed_shape_greedy_step", lambda model, shape: recording_step)
+        # sequential and pipelined compile their own steps around the same one
+        for loop in (decoders.sequential, decoders.pipelined):
+            patch.setattr(loop, "fixed_shape_compiled", lambda model, function, shape: function)
+            patch.setattr(loop, "greedy_step_as_compiled", recording_step)
         return decoder.generate(model, *batch), shapes
 
 
