@@ -8,9 +8,10 @@ encoder through `decoders.backbone.compiled_encode`; every decoder call through 
 sequential's, the verify loop's (blockwise, lookup, aggressive) and pipelined's greedy step for
 fixed shapes, `decoders.backbone.fixed_shape_greedy_step`, sequential's and pipelined's with their
 own bookkeeping around it, nar's layers for symbolic ones, `compiled_run_decoder`), at batch size 1
-and at --batch-size, on one thread with denormals flushed: a warm-up pass per mode (where compilation happens: its seconds
-are printed), then --repeats passes, in each of which every decoder and batch size decodes eagerly
-and then compiled, one after the other, so that the machine's drifts touch both modes alike.
+and at --batch-size, on one thread with denormals flushed: a warm-up pass per mode (where
+compilation happens: its seconds are printed), then --repeats passes, in each of which every
+decoder and batch size decodes eagerly and then compiled, one after the other, so that the
+machine's drifts touch both modes alike.
 
 It prints a table: per decoder and batch size, the median examples per second eagerly and compiled,
 the median of the passes' compiled / eager ratios with the lowest and highest, whether the compiled
