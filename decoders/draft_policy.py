@@ -159,20 +159,65 @@ def fitted_costs(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[f
     return tuple(m[i][3] / m[i][i] for i in range(3))
 
 
+# The latest decodes of each loop and batch size whose median `LoopChoice` compares.
+DECODES_KEPT = 7
+# The decodes of each loop timed at a batch size before the two are compared: a median of three
+# that one decode slowed by compiling, or by first touching memory, does not move.
+DECODES_TO_COMPARE = 3
+# One decode in this many at a batch size runs the loop not chosen, so that its time stays current
+# as the tally and the machine change.
+REVISIT_EVERY = 32
+
+
+class LoopChoice:
+    """Which loop decodes a batch of a drafter whose drafts are a function of the source and the
+    output so far (lookup), where the measured rule could feed its drafts: the verify loop, or
+    sequential decoding, whose host work per call is less, with the drafts probed on its output
+    afterwards. Decided by each loop's seconds per output token, the median of its latest
+    DECODES_KEPT decodes at the batch size: first DECODES_TO_COMPARE decodes of the verify loop,
+    then of sequential decoding, then the faster, and one decode in REVISIT_EVERY the other."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[int, bool], deque[float]] = {}   # (rows, verify loop) -> latest
+        self.decodes: dict[int, int] = {}                         # rows -> decodes timed
+
+    def verifies(self, rows: int) -> bool:
+        """Whether the next decode of `rows` rows runs the verify loop."""
+        verify, sequential = (self.seconds.get((rows, loop), ()) for loop in (True, False))
+        if len(verify) < DECODES_TO_COMPARE or len(sequential) < DECODES_TO_COMPARE:
+            return len(verify) < DECODES_TO_COMPARE
+        faster = statistics.median(verify) <= statistics.median(sequential)
+        return faster != (self.decodes[rows] % REVISIT_EVERY == REVISIT_EVERY - 1)
+
+    def add(self, rows: int, verified: bool, seconds_per_token: float) -> None:
+        """A decode of `rows` rows, by the verify loop or not, and its seconds per output token."""
+        self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_KEPT)).append(seconds_per_token)
+        self.decodes[rows] = self.decodes.get(rows, 0) + 1
+
+
 class FeedingRecord:
     """What a drafter measured over its decodes on one device, eagerly or compiled, from which the
-    measured rule (`min_acceptance` null) decides: its calls' costs, and its drafts' tally summed
-    over the decodes."""
+    measured rule (`min_acceptance` null) decides: its calls' costs, its drafts' tally summed over
+    the decodes, and where the drafter's drafts can be probed on an output, its loops' times."""
 
     def __init__(self):
         self.costs = CallCosts()
         self.drafts = Tally(None)
+        self.loops = LoopChoice()
 
     def prior(self) -> Tally:
         """A decode's starting tally: the earlier decodes' shares, weighing as PRIOR_TRIES drafts
         at most."""
         scale = min(1.0, PRIOR_TRIES / self.drafts.tries) if self.drafts.tries else 1.0
         return self.drafts.with_counts(count * scale for count in self.drafts.counts())
+
+    def may_feed(self, rows: int, columns: int) -> bool:
+        """Whether a decode of `rows` rows starts where the measured rule could feed drafts: no
+        draft tallied yet (its calls learn by probing, then feeding), or its starting tally
+        reaching the rule (`Tally.reached`) for a call where every row offers `columns` draft
+        tokens."""
+        prior = self.prior()
+        return not prior.tries or prior.reached(rows, rows, self.costs.extra(rows, columns))
 
     def add(self, decode: Tally, prior: Tally) -> None:
         """A decode's own drafts: its final tally less the prior it started from."""

@@ -26,18 +26,28 @@ Verify. Draft and verify (decoders/drafts.py): feed [y, d_1, .., d_m] (m = `draf
     syncs: drafts.py; the source is read to the host once per decode, and drafts stay on the host
     (`Draft.on_host`): a call's fed columns go to the device in one copy, only when some row feeds a
     draft, and a draft that is only probed is checked there.
+Measured (`min_acceptance` null, the default). A row's drafts are a function of its source and its
+    output so far, so a decode need not run the verify loop to tally them: where the measured rule
+    would feed no draft at the decode's start, or where sequential decoding was measured faster
+    per output token (`draft_policy.LoopChoice`), the decode is sequential decoding, its loop's
+    host work per call less than the verify loop's, and the drafts the verify loop would have
+    probed are probed on its output afterwards.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
 
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE
-from decoders.drafts import Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source, Verified
-from decoders.loop import read_back
-from decoders.sequential import SequentialDecoder
+from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE, FeedingRecord
+from decoders.drafts import (Draft, DraftAndVerifyDecoder, DraftCounters, Drafting, HostReads, HostRows,
+                             Source, Verified)
+from decoders.loop import flat_decode_output, read_back
+from decoders.sequential import SequentialDecoder, greedy_outputs
 
 
 @dataclass
@@ -48,6 +58,26 @@ class SourceLookup:
     # per example: each window of `match` real source tokens that some real token follows -> where
     # the tokens after its latest occurrence start in `sources`
     continuations: list[dict[tuple[int, ...], int]]
+
+    def following(self, example: int, window: tuple[int, ...], most: int) -> list[int]:
+        """Up to `most` source tokens after the latest occurrence of `window` in the example's
+        source (none where it does not occur, followed by a token)."""
+        start = self.continuations[example].get(window)
+        return [] if start is None else self.sources[example][start: start + most]
+
+
+def source_lookup(input_ids: torch.Tensor, attention_mask: torch.Tensor, match: int) -> SourceLookup:
+    """The batch's sources (B, S) laid out for the lookup of `match` output tokens: the decode's
+    one read of its sources to the host (a host sync once per decode)."""
+    sources, continuations = [], []
+    for row, mask in zip(*read_back(input_ids, attention_mask)):
+        real = [token for token, visible in zip(row, mask) if visible]
+        windows = zip(*(real[i: len(real) - match + i] for i in range(match)))   # those a token follows
+        # built by `dict` itself, not a Python loop: it is on every decode's critical path; later
+        # windows overwrite earlier ones, so each keeps its latest occurrence
+        sources.append(real)
+        continuations.append(dict(zip(windows, range(match, len(real)))))
+    return SourceLookup(sources, continuations)
 
 
 @register("lookup")
@@ -78,21 +108,46 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
         return HostReads(earlier_tokens=self.match - 1)
 
     def begin_drafts(self, model, source: Source) -> Drafting:
-        n = self.match
-        sources, continuations = [], []
-        # the decode's one read of its sources to the host (a host sync once per decode)
-        for row, mask in zip(*read_back(source.input_ids, source.attention_mask)):
-            real = [token for token, visible in zip(row, mask) if visible]
-            windows = zip(*(real[i: len(real) - n + i] for i in range(n)))   # those a token follows
-            # built by `dict` itself, not a Python loop: it is on every decode's critical path;
-            # later windows overwrite earlier ones, so each keeps its latest occurrence
-            sources.append(real)
-            continuations.append(dict(zip(windows, range(n, len(real)))))
-        return Drafting(SourceLookup(sources, continuations), Draft.nothing(len(sources)))
+        lookup = source_lookup(source.input_ids, source.attention_mask, self.match)
+        return Drafting(lookup, Draft.nothing(len(lookup.sources)))
 
     def draft(self, model, state: SourceLookup, verified: Verified, host: HostRows) -> Draft:
-        m, drafts = self.draft_tokens, []
-        for example, earlier, token in zip(host.examples, host.earlier, host.newest):
-            start = state.continuations[example].get((*earlier, token))
-            drafts.append([] if start is None else state.sources[example][start: start + m])
+        drafts = [state.following(example, (*earlier, token), self.draft_tokens)
+                  for example, earlier, token in zip(host.examples, host.earlier, host.newest)]
         return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask):
+        if self.min_acceptance is not None:
+            return super().generate(model, input_ids, attention_mask)
+        # measured: the verify loop, or sequential decoding where the rule would feed no draft or
+        # where it was measured faster (`LoopChoice`)
+        record, rows, started = self.feeding_record(input_ids.device), input_ids.size(0), time.perf_counter()
+        verifies = record.may_feed(rows, self.draft_width) and record.loops.verifies(rows)
+        out = (super().generate(model, input_ids, attention_mask) if verifies
+               else self.sequential_generate(model, input_ids, attention_mask, record))
+        record.loops.add(rows, verifies, (time.perf_counter() - started) / sum(out.tokens))
+        return out
+
+    def sequential_generate(self, model, input_ids, attention_mask, record: FeedingRecord):
+        """Sequential decoding, its loop's host work per call less than the verify loop's; the
+        drafts the verify loop would have probed are a function of the source and the output so
+        far, so they are probed on the output afterwards, and tallied in `record`."""
+        prior = record.prior()
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
+        outputs, calls = greedy_outputs(self, model, encoder_states, attention_mask)
+        probes = self.probes(source_lookup(input_ids, attention_mask, self.match), outputs)
+        record.add(prior.added([0] * len(probes), [0] * len(probes), probes), prior)
+        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], calls,
+                                  stats={name: 0.0 for name in DraftCounters._fields})
+
+    def probes(self, lookup: SourceLookup, outputs: list[list[int]]) -> list[bool]:
+        """For each draft a decode that fed none would have probed (a draft after an output token
+        that another follows), whether its first token is that next one."""
+        n, probes = self.match, []
+        for example, tokens in enumerate(outputs):
+            for newest in range(n - 1, len(tokens) - 1):
+                draft = lookup.following(example, tuple(tokens[newest - n + 1: newest + 1]), 1)
+                if draft:
+                    probes.append(draft[0] == tokens[newest + 1])
+        return probes

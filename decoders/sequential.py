@@ -70,74 +70,87 @@ class SequentialDecoder(Decoder):
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
         encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
-        loop = self._fixed_shape_loop if self.compiles() else self._eager_loop
-        produced, calls = loop(model, encoder_states, attention_mask)
-        outputs = [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()]  # read once
+        outputs, calls = greedy_outputs(self, model, encoder_states, attention_mask)
         return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], calls)
 
-    def _eager_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
-        """(B, bound) tokens produced (NOT_PRODUCED after a row's end) and the calls taken; finished
-        rows leave the batch and the cache."""
-        batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
-        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
-        steps = growing_steps(model, bound)
-        cache = DecoderCache(sizes(model.config).layers)
-        rows = LiveRows(batch_size, device)
-        produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
-        step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
-        run = self.model_step()
-        for step in range(bound):
-            # the token at position `step` writes its keys and values at slot `step`
-            bias, slots, positions = steps[step]
-            hidden = run(model, step_input, bias, encoder_states, cross_mask, cache, slots,
-                         positions)                                        # (live, 1, d_model)
-            next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
-            produced[rows.index, step] = next_tokens
-            if step + 1 == bound:
-                break
-            kept = rows.drop_finished(next_tokens == self.special.eos, cache, encoder_states,
-                                      cross_mask, next_tokens)
-            if kept is None:
-                break
-            encoder_states, cross_mask, next_tokens = kept
-            step_input = next_tokens[:, None]
-        return produced, step + 1
 
-    def _fixed_shape_loop(self, model, encoder_states, attention_mask) -> tuple[torch.Tensor, int]:
-        """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
-        shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a power of two,
-        finished rows kept (their later tokens not produced) until the unfinished ones fit a batch
-        of half the rows or fewer, which then holds them, topped up with finished rows to a power
-        of two."""
-        batch_size, device, bound = encoder_states.size(0), encoder_states.device, self.max_new_tokens
-        encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
-        cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
-        steps = fixed_shape_steps(model, bound, batch_size)
-        cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
-        rows = LiveRows(batch_size, device)
-        end = torch.tensor(self.special.eos, device=device)   # a tensor: no graph per end token
-        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
-        step_input = torch.full((batch_size, 1), self.special.start, dtype=torch.long, device=device)
-        for step in range(bound):
-            bias, slots, positions = steps[step]
-            # one compiled function per shape: the rows, the source's and the attended slots'
-            # widths, and whether the call makes the cache
-            shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
-            step_input, produced[rows.index, step], finished = fixed_shape_compiled(
-                model, next_tokens, shape)(model, step_input, finished, end, bias, encoder_states,
-                                           cross_mask, cache, slots, positions)
-            if step + 1 == bound:
-                break
-            done = rows.read(finished)
-            if all(done):
-                break
-            dropped = rows_past_bucket(done)
-            if any(dropped):
-                encoder_states, cross_mask, step_input, finished = rows.drop(
-                    dropped, cache, encoder_states, cross_mask, step_input, finished)
-                steps = fixed_shape_steps(model, bound, step_input.size(0))
-        return produced, step + 1
+def greedy_outputs(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
+                   attention_mask: torch.Tensor) -> tuple[list[list[int]], int]:
+    """Sequential decoding from the encoder output (B, S, d_model) under `decoder`'s bound, special
+    tokens, model step and compile option: each row's tokens, its end token included where it has
+    one, read back once, and the calls the batch took. The sequential decoder's generation, and
+    that of a lookup decode that feeds no draft."""
+    loop = fixed_shape_loop if decoder.compiles() else eager_loop
+    produced, calls = loop(decoder, model, encoder_states, attention_mask)
+    return [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()], calls
+
+
+def eager_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
+               attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, bound) tokens produced (NOT_PRODUCED after a row's end) and the calls taken; finished
+    rows leave the batch and the cache."""
+    batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
+    cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+    steps = growing_steps(model, bound)
+    cache = DecoderCache(sizes(model.config).layers)
+    rows = LiveRows(batch_size, device)
+    produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+    step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
+    run = decoder.model_step()
+    for step in range(bound):
+        # the token at position `step` writes its keys and values at slot `step`
+        bias, slots, positions = steps[step]
+        hidden = run(model, step_input, bias, encoder_states, cross_mask, cache, slots,
+                     positions)                                        # (live, 1, d_model)
+        next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
+        produced[rows.index, step] = next_tokens
+        if step + 1 == bound:
+            break
+        kept = rows.drop_finished(next_tokens == decoder.special.eos, cache, encoder_states,
+                                  cross_mask, next_tokens)
+        if kept is None:
+            break
+        encoder_states, cross_mask, next_tokens = kept
+        step_input = next_tokens[:, None]
+    return produced, step + 1
+
+
+def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
+                     attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
+    shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a power of two,
+    finished rows kept (their later tokens not produced) until the unfinished ones fit a batch of
+    half the rows or fewer, which then holds them, topped up with finished rows to a power of
+    two."""
+    batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
+    encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+    cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+    steps = fixed_shape_steps(model, bound, batch_size)
+    cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
+    rows = LiveRows(batch_size, device)
+    end = torch.tensor(decoder.special.eos, device=device)   # a tensor: no graph per end token
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+    step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
+    for step in range(bound):
+        bias, slots, positions = steps[step]
+        # one compiled function per shape: the rows, the source's and the attended slots'
+        # widths, and whether the call makes the cache
+        shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
+        step_input, produced[rows.index, step], finished = fixed_shape_compiled(
+            model, next_tokens, shape)(model, step_input, finished, end, bias, encoder_states,
+                                       cross_mask, cache, slots, positions)
+        if step + 1 == bound:
+            break
+        done = rows.read(finished)
+        if all(done):
+            break
+        dropped = rows_past_bucket(done)
+        if any(dropped):
+            encoder_states, cross_mask, step_input, finished = rows.drop(
+                dropped, cache, encoder_states, cross_mask, step_input, finished)
+            steps = fixed_shape_steps(model, bound, step_input.size(0))
+    return produced, step + 1
 
 
 def next_tokens(model: PreTrainedModel, step_input: torch.Tensor, finished: torch.Tensor,

@@ -17,8 +17,9 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
-from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, DRAFT_LENGTH, FIXED, MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES,
-                                   CallCosts, FeedingRecord, Tally, call_width, counted_positions,
+from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, DECODES_KEPT, DECODES_TO_COMPARE, DRAFT_LENGTH, FIXED,
+                                   MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES, REVISIT_EVERY, CallCosts,
+                                   FeedingRecord, LoopChoice, Tally, call_width, counted_positions,
                                    fed_offers, next_draft_lengths)
 from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
 from decoders.verify_tables import bias_tables
@@ -304,6 +305,37 @@ def test_a_decode_starts_from_the_earlier_decodes_tally_weighed_as_a_few_drafts(
     assert start.tries == pytest.approx(PRIOR_TRIES) and start.hits == pytest.approx(PRIOR_TRIES)
     assert start.fed_hits_accepted / start.fed_hits == pytest.approx(2.0)
     assert start.reached(1, 1, extra_cost=2.0) and not start.reached(1, 1, extra_cost=2.1)
+
+
+def test_a_decode_may_feed_while_nothing_is_tallied_or_its_start_reaches_the_rule():
+    """`FeedingRecord.may_feed`: before any draft is tallied, yes (the verify loop learns by
+    probing); then the measured rule for a call whose every row offers the columns."""
+    record = FeedingRecord()
+    assert record.may_feed(1, 3)
+    record.add(Tally(None, hits=1, tries=4), Tally(None))   # a quarter pass at their first token
+    assert record.may_feed(1, 3)                             # feeding's cost not measured: free
+    for queries, seconds in ((1, 1.0), (4, 1.5)):            # a fed column adds 1/6 of a call
+        for _ in range(CALLS_TO_FIT):
+            record.costs.add(1, queries, seconds)
+    assert record.may_feed(1, 1) and not record.may_feed(1, 3)   # 1/4 against 1/6 and 1/2
+
+
+def test_a_loop_choice_times_both_loops_then_runs_the_faster_and_revisits_the_other():
+    """`LoopChoice`: the verify loop's first decodes at a batch size, then sequential decoding's,
+    then the one of fewer seconds per output token, the other one decode in REVISIT_EVERY; each
+    batch size apart."""
+    choice, seconds, ran = LoopChoice(), {True: 2.0, False: 1.0}, []
+    for _ in range(3 * REVISIT_EVERY):
+        ran.append(choice.verifies(4))
+        choice.add(4, ran[-1], seconds[ran[-1]])
+    compared = 2 * DECODES_TO_COMPARE
+    assert ran[:compared] == [True] * DECODES_TO_COMPARE + [False] * DECODES_TO_COMPARE
+    assert ran[compared:] == [n % REVISIT_EVERY == REVISIT_EVERY - 1 for n in range(compared, len(ran))]
+    assert choice.verifies(2)
+    seconds[False] = 3.0   # sequential decoding now slower: its median moves after a few decodes
+    for _ in range(DECODES_KEPT):
+        choice.add(4, False, seconds[False])
+    assert choice.verifies(4) != (choice.decodes[4] % REVISIT_EVERY == REVISIT_EVERY - 1)
 
 
 @pytest.mark.parametrize("offering,feeds", [({0}, False), ({0, 1}, True)])

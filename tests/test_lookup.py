@@ -10,7 +10,8 @@ import torch
 
 from decoders import build_decoder, decoder_class
 from decoders.base import Decoder
-from decoders.drafts import HostRows, Source, Verified
+from decoders.draft_policy import CALLS_TO_FIT, DECODES_TO_COMPARE, PRIOR_TRIES, Tally
+from decoders.drafts import DraftCounters, HostRows, Source, Verified
 from tasks.bench.pipelined_lookup import lookup_draft  # the rule, plainly
 from tasks.bench.sync_points import counting_sync_points
 from tasks.config import compose
@@ -172,6 +173,48 @@ def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, dra
         assert_same_output(alone, sequential(model, 16).generate(model, input_ids[i:i + 1, :n],
                                                                   attention_mask[i:i + 1, :n]))
         assert alone.decoder_calls == [out.decoder_calls[i]]
+
+
+@pytest.mark.parametrize("match", [1, 2])
+@pytest.mark.parametrize("why", ["the rule feeds nothing", "measured faster"])
+def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match, why):
+    """Measured (`min_acceptance` null): a decode is sequential decoding where its starting tally
+    would not feed even a call whose every row offers a draft (none of the earlier drafts passed,
+    and feeding was measured to cost as much as a call), or where sequential decoding was measured
+    faster per output token than the verify loop (`LoopChoice`): its tokens and calls, no call
+    timed, no draft fed, the decode timed as sequential. The drafts the verify loop would have
+    probed are tallied from its output: per row, after each output token that another follows,
+    the source's draft (`lookup_draft`), a hit where its first token is that next one."""
+    model, _, (input_ids, attention_mask) = blind
+    rows = len(input_ids)
+    decoder = lookup(model, draft_tokens=4, match=match, max_new_tokens=16, min_acceptance=None)
+    record = decoder.feeding_record(input_ids.device)
+    passed = 0 if why == "the rule feeds nothing" else PRIOR_TRIES
+    record.add(Tally(None, hits=passed, tries=PRIOR_TRIES), Tally(None))
+    if why == "the rule feeds nothing":
+        for queries, seconds in ((1, 1.0), (5, 2.0)):
+            for _ in range(CALLS_TO_FIT):
+                record.costs.add(rows, queries, seconds)
+    else:
+        for verifies, seconds in ((True, 2.0), (False, 1.0)):
+            for _ in range(DECODES_TO_COMPARE):
+                record.loops.add(rows, verifies, seconds)
+    assert record.may_feed(rows, 4) == (why != "the rule feeds nothing")
+    timed = {shape: list(calls) for shape, calls in record.costs.seconds.items()}
+    out = decoder.generate(model, input_ids, attention_mask)
+    expected = sequential(model, 16).generate(model, input_ids, attention_mask)
+    assert_same_output(out, expected)
+    assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
+    assert out.stats == {name: 0.0 for name in DraftCounters._fields}
+    assert {shape: list(calls) for shape, calls in record.costs.seconds.items()} == timed
+    assert len(record.loops.seconds[rows, False]) == (1 if why == "the rule feeds nothing" else 4)
+    probes = [draft[0] == output[newest + 1]
+              for source, output in zip(sources(input_ids, attention_mask),
+                                        greedy_outputs(model, input_ids, attention_mask, bound=16))
+              for newest in range(len(output) - 1)
+              for draft in [lookup_draft(source, output[: newest + 1], 1, match)] if draft]
+    assert record.drafts == Tally(None, hits=passed + sum(probes), tries=PRIOR_TRIES + len(probes))
+    assert 0 < sum(probes) < len(probes)   # not vacuous: the built sources hold parts of the output
 
 
 # ---- 2. calls by construction: the rigged chain model ---------------------------------------
