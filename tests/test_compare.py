@@ -130,7 +130,7 @@ def test_a_row_name_carries_decoder_settings_as_row_labels_write_them():
         row_settings("lookup(draft_tokens)")
 
 
-def test_timed_rows_take_turns_on_each_batch_in_a_rotating_order():
+def test_timed_rows_take_turns_on_each_batch_in_a_shuffled_order():
     calls = []
 
     def timer(key):
@@ -138,17 +138,23 @@ def test_timed_rows_take_turns_on_each_batch_in_a_rotating_order():
             calls.append((key, batch["id"]))
             return (key, batch["id"], len(calls))
         return measure
-    batches = [{"id": i} for i in range(4)]
+    batches = [{"id": i} for i in range(12)]
     passes = []
     results = interleaved_passes({key: timer(key) for key in "abc"}, batches, 2,
                                  on_pass=lambda: passes.append(len(calls)))
-    # each batch is decoded by every row before the next, the first row moving on by one each batch
-    first_pass = [key + str(i) for key, i in calls[:12]]
-    assert first_pass == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
-    assert calls[12:] == calls[:12] and passes == [12, 24]
+    # each batch is decoded by every row before the next
+    assert [i for _, i in calls] == [i for i in range(12) for _ in "abc"] * 2 and passes == [36, 72]
+    orders = ["".join(key for key, _ in calls[at: at + 3]) for at in range(0, 72, 3)]
+    # no row keeps a place, nor the row before it: every row follows every other one somewhere
+    assert {order[0] for order in orders} == set("abc")
+    assert {pair for order in orders for pair in zip(order, order[1:])} == {
+        (x, y) for x in "abc" for y in "abc" if x != y}
+    # the same order every run
+    again = []
+    interleaved_passes({key: lambda batch, key=key: again.append(key) for key in "abc"}, batches, 2)
+    assert "".join(again) == "".join(orders)
     # per row: one list per pass, one result per batch, in batch order
-    assert [[(k, i) for k, i, _ in run] for run in results["b"]] == [[("b", i) for i in range(4)]] * 2
-    assert [[n for *_, n in run] for run in results["a"]] == [[1, 6, 8, 10], [13, 18, 20, 22]]
+    assert [[(k, i) for k, i, _ in run] for run in results["b"]] == [[("b", i) for i in range(12)]] * 2
 
 
 def test_a_recorded_command_runs_as_written():

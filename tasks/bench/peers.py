@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
     bound, special = sequential.decoder.max_new_tokens, sequential.decoder.special
     batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
                                        backbone=sequential.backbone)}
-    # the library's rows, each followed by its compiled twin where --compiled: the same checkpoint
+    # the library's rows, each followed by its compiled twin where --compiled; the rows of the
+    # sequential checkpoint decode its one copy of the weights, as transformers' rows do, so that
+    # none finds them warmer in the CPU's caches for sharing them with the rows before it
     for name, flag, path in (("sequential", None, args.ckpt), ("lookup", None, args.ckpt),
                              ("blockwise", "--blockwise", args.blockwise),
                              (PIPELINED, "--pipelined", args.pipelined)):
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
             if row == "sequential":
                 batched[row] = sequential
             elif flag is None:
-                batched[row] = restored(row, path)[1].module.to(device).eval()
+                decoder = restored(row, path)[1].module.decoder.to(device).eval()
+                batched[row] = SimpleNamespace(decoder=decoder, backbone=sequential.backbone)
             else:
                 batched[row] = same_inputs(flag, path, *restored(row, path), cfg, built).to(device).eval()
     if args.ctranslate2:

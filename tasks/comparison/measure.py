@@ -4,6 +4,7 @@ decoder calls the references need, and the weights each fit trains."""
 from __future__ import annotations
 
 import ctypes
+import random
 import statistics
 import threading
 import time
@@ -112,21 +113,24 @@ def device_batches(datamodule, examples: list, batch_size: int, device) -> list[
 def interleaved_passes(timers: dict, batches: list[dict], repeats: int,
                        on_pass: Callable[[], None] = lambda: None) -> dict[object, list[list]]:
     """`repeats` passes over `batches`, each batch decoded by every timer (key -> a function of a
-    batch, returning what it measured) in turn before the next batch, the order rotating from batch
-    to batch. Returns, per key, each pass's results, batch by batch.
+    batch, returning what it measured) in turn before the next batch, in an order shuffled from
+    batch to batch (seeded: the same every run). Returns, per key, each pass's results, batch by
+    batch.
 
     Why batch by batch: a shared CPU's speed drifts and jumps over seconds, as long as a whole pass
     of one decoder takes, so rows timed one whole pass after another see different machines (on a
     2-core machine the ratios of one pass spread 0.6x to 1.6x); rows taking turns on each batch see
-    the same one, and their ratios agree within a few percent. The rotation gives no row a fixed
-    place after another."""
+    the same one, and their ratios agree within a few percent. Why shuffled: a row that decodes
+    right after another on the same weights finds them in the CPU's caches, so no row may keep a
+    place, nor the row before it (an order rotated from batch to batch keeps every row's
+    predecessor)."""
     keys = list(timers)
+    order = random.Random(0)
     results: dict[object, list[list]] = {key: [] for key in keys}
     for _ in range(repeats):
         current: dict[object, list] = {key: [] for key in keys}
-        for index, batch in enumerate(batches):
-            turn = index % len(keys)
-            for key in keys[turn:] + keys[:turn]:
+        for batch in batches:
+            for key in order.sample(keys, len(keys)):
                 current[key].append(timers[key](batch))
         for key in keys:
             results[key].append(current[key])
