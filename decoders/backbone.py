@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoders.cache import DecoderCache, Slots
+from decoders.cache import DecoderCache, Slots, power_of_two_holding
 from decoders.families import Sizes, family_of
 from decoders.transformers_internals import attention_implementation
 
@@ -191,7 +191,7 @@ def source_at_fixed_width(encoder_states: torch.Tensor,
     widths, not every source length. The cross-attention hides the added positions, so every
     token's state is what it was."""
     length = encoder_states.size(1)
-    width = max(16, 1 << (length - 1).bit_length())
+    width = max(16, power_of_two_holding(length))
     return (nn.functional.pad(encoder_states, (0, 0, 0, width - length)),
             nn.functional.pad(attention_mask, (0, width - length)))
 

@@ -37,6 +37,12 @@ def attended_width(slots: int, most_slots: int) -> int:
     return min(most_slots, -(-slots // ATTENDED_SLOTS_STEP) * ATTENDED_SLOTS_STEP)
 
 
+def power_of_two_holding(count: int) -> int:
+    """The least power of two >= `count` (>= 1): how fixed-shape calls round their rows, columns
+    and source widths, so that they meet few shapes."""
+    return 1 << (count - 1).bit_length()
+
+
 class DecoderCache:
     """Per decoder layer: the self-attention keys and values, (B, heads, slots, d_kv) each, and the
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop

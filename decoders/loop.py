@@ -10,7 +10,7 @@ import torch
 
 from datamodules.vocabulary import SpecialTokens
 from decoders.base import DecodeOutput
-from decoders.cache import DecoderCache
+from decoders.cache import DecoderCache, power_of_two_holding
 
 
 # Fill value of per-position output buffers where no token was produced (every token id is >= 0).
@@ -142,7 +142,7 @@ def fixed_shape_rows(kept: list[int], cache: DecoderCache,
     in the last call) first, then copies of the first, up to the power of two that holds them, or
     the rows the call had where that is fewer; in `cache` and each of `row_tensors`. A copy's
     tokens are its own row's, which the loop discards."""
-    rows = min(row_tensors[0].size(0), 1 << (len(kept) - 1).bit_length())
+    rows = min(row_tensors[0].size(0), power_of_two_holding(len(kept)))
     keep = send(kept + kept[:1] * (rows - len(kept)), row_tensors[0].device)
     cache.select_rows(keep)
     return tuple(t[keep] for t in row_tensors)

@@ -67,7 +67,7 @@ from decoders.backbone import (cross_attention_mask, encode, fixed_shape_compile
                                greedy_step_as_compiled, HeadTable, made_from_bias_weight,
                                output_logits, past_distance_bias_table, run_decoder, sizes,
                                source_at_fixed_width)
-from decoders.cache import DecoderCache, Slots, attended_width
+from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, fixed_shape_rows, send, topped_up
 
@@ -389,7 +389,7 @@ class PipelinedDecoder(Decoder):
         running = [len(example.running) for example in batch.live]
         columns = max(running)
         if batch.most_columns is not None:   # fixed shapes: a power of two of columns
-            columns = min(self.max_subsequences, 1 << (columns - 1).bit_length())
+            columns = min(self.max_subsequences, power_of_two_holding(columns))
         tokens, codes = [], []
         for example in batch.live:
             padding = columns - len(example.running)

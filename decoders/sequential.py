@@ -34,7 +34,7 @@ from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape
                                greedy_step_as_compiled, made_from_bias_weight, output_logits,
                                past_distance_bias_table, sizes, source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
-from decoders.cache import DecoderCache, Slots, attended_width
+from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
 
 
@@ -169,7 +169,7 @@ def rows_past_bucket(done: list[bool]) -> list[bool]:
     rows need a power of two of rows at least the batch's; else the finished rows beyond that
     power of two (the first ones kept), so that the batch takes few sizes."""
     unfinished = done.count(False)
-    size = 1 << (unfinished - 1).bit_length()          # the power of two that holds them
+    size = power_of_two_holding(unfinished)
     if size >= len(done):
         return [False] * len(done)
     spare = size - unfinished                           # finished rows kept to fill it
