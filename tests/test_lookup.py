@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from decoders import build_decoder, decoder_class
+import decoders.base
+import decoders.drafts
+import decoders.sequential
+from decoders.backbone import encode, greedy_step
 from decoders.base import Decoder
 from decoders.draft_policy import CALLS_TO_FIT, DECODES_TO_COMPARE, PRIOR_TRIES, Tally
 from decoders.drafts import DraftCounters, HostRows, Source, Verified
@@ -175,6 +179,15 @@ def test_drafts_from_the_source_are_accepted_and_the_output_is_greedy(blind, dra
         assert alone.decoder_calls == [out.decoder_calls[i]]
 
 
+def feeding_nothing(record, rows: int):
+    """`record` as if none of the earlier drafts had passed and feeding cost as much as a call: the
+    measured rule would feed a decode of `rows` rows no draft."""
+    record.add(Tally(None, hits=0, tries=PRIOR_TRIES), Tally(None))
+    for queries, seconds in ((1, 1.0), (5, 2.0)):
+        for _ in range(CALLS_TO_FIT):
+            record.costs.add(rows, queries, seconds)
+
+
 @pytest.mark.parametrize("match", [1, 2])
 @pytest.mark.parametrize("why", ["the rule feeds nothing", "measured faster"])
 def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match, why):
@@ -190,12 +203,10 @@ def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match
     decoder = lookup(model, draft_tokens=4, match=match, max_new_tokens=16, min_acceptance=None)
     record = decoder.feeding_record(input_ids.device)
     passed = 0 if why == "the rule feeds nothing" else PRIOR_TRIES
-    record.add(Tally(None, hits=passed, tries=PRIOR_TRIES), Tally(None))
     if why == "the rule feeds nothing":
-        for queries, seconds in ((1, 1.0), (5, 2.0)):
-            for _ in range(CALLS_TO_FIT):
-                record.costs.add(rows, queries, seconds)
+        feeding_nothing(record, rows)
     else:
+        record.add(Tally(None, hits=passed, tries=PRIOR_TRIES), Tally(None))
         for verifies, seconds in ((True, 2.0), (False, 1.0)):
             for _ in range(DECODES_TO_COMPARE):
                 record.loops.add(rows, verifies, seconds)
@@ -215,6 +226,27 @@ def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match
               for draft in [lookup_draft(source, output[: newest + 1], 1, match)] if draft]
     assert record.drafts == Tally(None, hits=passed + sum(probes), tries=PRIOR_TRIES + len(probes))
     assert 0 < sum(probes) < len(probes)   # not vacuous: the built sources hold parts of the output
+
+
+def test_a_compiled_measured_decode_may_be_the_sequential_decoders_fixed_shape_loop(blind, monkeypatch):
+    """Compiled (`decoder.compile`), a measured decode the rule would feed nothing is the sequential
+    decoder's fixed-shape loop (its `next_tokens` through `fixed_shape_compiled`, run eagerly here),
+    with the eager sequential decoder's tokens and calls; no verify-loop step is made."""
+    model, _, (input_ids, attention_mask) = blind
+    shapes, verify_shapes = [], []
+    monkeypatch.setattr(decoders.base, "compiled_encode", encode)
+    monkeypatch.setattr(decoders.sequential, "fixed_shape_compiled",
+                        lambda model, function, shape: shapes.append(shape) or function)
+    monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step",
+                        lambda model, shape: verify_shapes.append(shape) or greedy_step)
+    decoder = lookup(model, draft_tokens=4, max_new_tokens=16, min_acceptance=None, compile=True).eval()
+    with torch.no_grad():   # a compiled decode's record (`feeding_record` per eager or compiled)
+        feeding_nothing(decoder.feeding_record(input_ids.device), len(input_ids))
+        out = decoder.generate(model, input_ids, attention_mask)
+    expected = sequential(model, 16).generate(model, input_ids, attention_mask)
+    assert_same_output(out, expected)
+    assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
+    assert len(shapes) == out.batch_decoder_calls and not verify_shapes
 
 
 # ---- 2. calls by construction: the rigged chain model ---------------------------------------
