@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
                                        backbone=sequential.backbone)}
     # the library's rows, each followed by its compiled twin where --compiled; the rows of the
-    # sequential checkpoint decode its one copy of the weights, as transformers' rows do, so that
-    # none finds them warmer in the CPU's caches for sharing them with the rows before it
+    # sequential checkpoint decode its one copy of the weights, as transformers' rows do: a row on
+    # a copy of its own would find its weights colder in the CPU's caches than the others do
     for name, flag, path in (("sequential", None, args.ckpt), ("lookup", None, args.ckpt),
                              ("blockwise", "--blockwise", args.blockwise),
                              (PIPELINED, "--pipelined", args.pipelined)):

@@ -121,8 +121,8 @@ def interleaved_passes(timers: dict, batches: list[dict], repeats: int,
     of one decoder takes, so rows timed one whole pass after another see different machines (on a
     2-core machine the ratios of one pass spread 0.6x to 1.6x); rows taking turns on each batch see
     the same one, and their ratios agree within a few percent. Why shuffled: a row that decodes
-    right after another on the same weights finds them in the CPU's caches, so no row may keep a
-    place, nor the row before it (an order rotated from batch to batch keeps every row's
+    right after another on the same weights may find them in the CPU's caches, so no row may keep
+    a place, nor the row before it (an order rotated from batch to batch keeps every row's
     predecessor)."""
     keys = list(timers)
     order = random.Random(0)
