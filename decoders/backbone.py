@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoders.cache import DecoderCache, Slots, power_of_two_holding
+from decoders.compiled_step import Applied, FixedShapeStep
 from decoders.families import Sizes, family_of
 from decoders.transformers_internals import attention_implementation
 
@@ -317,28 +318,40 @@ def fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> Callable
 
 
 def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hashable) -> Callable:
-    """`function` (of `model`, then tensors; e.g. `greedy_step_as_compiled`, or a loop's step
-    built on it) through torch.compile for fixed shapes (`dynamic=False`): one function per model,
+    """`function` (of `model`, then its arguments; e.g. `greedy_step_as_compiled`, or a loop's step
+    built on it) compiled for one fixed shape of its arguments: one `FixedShapeStep` per model,
     `function` and `shape` (a key of every shape of the call, which the loop gives), made at the
-    first call and kept while the model lives (`compiled_for`): no guard or kernel is symbolic,
-    and every later decode reuses it.
+    first call and kept while the model lives, and every later decode reuses it. It is called
+    as a function of its tensors, without torch.compile's per-call work
+    (`decoders.compiled_step`), except where it puts new tensors into its arguments (the call that
+    makes a decode's cache), which runs through torch.compile for fixed shapes (`dynamic=False`,
+    `compiled_for`: Dynamo checks the inputs' tensor guards only).
 
-    A call costs its kernels and little else: the graph's wrapper is C++, Dynamo checks the
-    inputs' tensor guards only (`compiled_for`), and on a CPU a product of one row (one fed token
-    of a batch of one) runs as inductor's own loop (its `decompose_mm_pass`), not as a BLAS call:
-    at a decoder call's sizes a BLAS call costs more than its arithmetic. The wrapper allocates the
-    graph's intermediate tensors as one block (`memory_planning`), not one by one, and does not
-    re-check its inputs' sizes and strides (`size_asserts` off), which Dynamo's guards check
-    already: at a decoder call's sizes each allocation and check costs a share of the call."""
-    return compiled_for(model, function, shape, dynamic=False,
-                        post_grad_fusion_options={"decompose_mm_pass": {}},
-                        memory_planning=True, size_asserts=False)
+    A call costs its kernels and little else: the graph's wrapper is C++, and on a CPU a product
+    of one row (one fed token of a batch of one) runs as inductor's own loop (its
+    `decompose_mm_pass`), not as a BLAS call: at a decoder call's sizes a BLAS call costs more
+    than its arithmetic. The wrapper allocates the graph's intermediate tensors as one block
+    (`memory_planning`), not one by one, and does not re-check its inputs' sizes and strides
+    (`size_asserts` off), which the step checks already: at a decoder call's sizes each
+    allocation and check costs a share of the call."""
+    steps = _COMPILED.setdefault(model, {})
+    key = _compiled_key(model, function, ("fixed shape", shape))
+    if key not in steps:
+        fallback = compiled_for(model, function, shape, dynamic=False, **FIXED_SHAPE_OPTIONS)
+        steps[key] = FixedShapeStep(function, fallback, FIXED_SHAPE_OPTIONS)
+    return steps[key]
+
+
+# inductor's options for a step of fixed shapes (`fixed_shape_compiled`)
+FIXED_SHAPE_OPTIONS = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}},
+                       "memory_planning": True, "size_asserts": False}
 
 
 def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool:
-    """Whether `fixed_shape_greedy_step(model, shape)` was made already: else its first call
-    compiles it, which takes seconds."""
-    return _compiled_key(model, greedy_step_as_compiled, shape) in _COMPILED.get(model, {})
+    """Whether `fixed_shape_greedy_step(model, shape)` was called already: else its call compiles
+    it, which takes seconds."""
+    step = _COMPILED.get(model, {}).get(_compiled_key(model, greedy_step_as_compiled, ("fixed shape", shape)))
+    return step is not None and step.made
 
 
 def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,
@@ -408,19 +421,6 @@ def _input_and_shape_guards(entries) -> list[bool]:
     return [kept or entry.guard_type == "SHAPE_ENV" for kept, entry in zip(tensors, entries)]
 
 
-class _Apply(nn.Module):
-    """`function(model, *args)` as a module call, so that `torch.func.functional_call` can run it
-    with the model's weights swapped for other tensors."""
-
-    def __init__(self, model: nn.Module, function: Callable):
-        super().__init__()
-        self.model = model
-        self.function = function
-
-    def forward(self, *args):
-        return self.function(self.model, *args)
-
-
 def with_frozen_weights(model: nn.Module, function: Callable, *args, only: Collection | None = None):
     """`function(model, *args)` computed with the model's weights detached (`only` those among the
     parameters `only` holds, where given): gradients flow to `args` (and to modules outside
@@ -429,4 +429,4 @@ def with_frozen_weights(model: nn.Module, function: Callable, *args, only: Colle
     weights = {f"model.{name}": p.detach() for name, p in model.named_parameters()
                if only is None or p in only}
     # tie_weights (the default) keeps tied parameters (T5's shared embedding and lm_head) tied
-    return torch.func.functional_call(_Apply(model, function), weights, args)
+    return torch.func.functional_call(Applied(model, function), weights, args)

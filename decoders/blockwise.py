@@ -22,6 +22,10 @@ Decode (Section 3, with the paper's combined scoring and proposal: one decoder c
     approximate acceptance (Section 5): a proposal passes if it is among the base head's top-k
     tokens there (faster, no longer exact). Generation stops at the end token (later tokens of the
     block are discarded) or at `max_new_tokens`. Batching, the cache and host syncs: drafts.py.
+Measured (`min_acceptance` null, the default). A call feeds the proposals while the tokens they
+    are expected to get accepted pay for their measured cost, and a decode is sequential decoding
+    of the base head where that was measured faster per output token (`draft_policy.LoopChoice`):
+    the heads cost every call, and a wide call costs more per row at larger batch sizes.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from datamodules.vocabulary import Range, SpecialTokens
 from decoders.base import OUTPUT_BOUND, Option
 from decoders.backbone import (at_least_float32, encode, output_logits, sizes, teacher_forced_states,
                                with_frozen_weights)
-from decoders.draft_policy import ALWAYS_MIN_ACCEPTANCE, DRAFT_LENGTH
+from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE
 from decoders.drafts import Draft, DraftAndVerifyDecoder, Verified
 from decoders.sequential import SequentialDecoder
 
@@ -98,7 +102,7 @@ class BlockwiseDecoder(DraftAndVerifyDecoder[None]):
                "top_k": Option(1, Range(ge=1, note="1 = exact acceptance"), decode_only=True),
                "max_new_tokens": OUTPUT_BOUND,
                "draft_length": DRAFT_LENGTH,
-               "min_acceptance": ALWAYS_MIN_ACCEPTANCE}
+               "min_acceptance": MEASURED_MIN_ACCEPTANCE}
 
     def __init__(self, backbone_config, special: SpecialTokens, **options):
         super().__init__(backbone_config, special, **options)

@@ -22,9 +22,9 @@ DRAFT_LENGTH = Option(FIXED, Choice((FIXED, ADAPTIVE)), decode_only=True)
 # the first draft tokens its drafts are expected to get accepted per row of the call, below which
 # it feeds none (at batch size 1: the share of the decode's drafts accepted at their first token;
 # 0: every call feeds); null, while the draft tokens they are expected to get accepted per row pay
-# for the extra time that feeding them is measured to take (`CallCosts`). Lookup's default is null;
-# blockwise's and aggressive's is 0: on the built-in tasks blockwise was faster feeding every call
-# at batch size 1 and as fast at 16 (results/builtin_*_feeding_rule.md), and aggressive was not
+# for the extra time that feeding them is measured to take (`CallCosts`), and each decode runs the
+# verify loop or sequential decoding, whichever was measured faster (`LoopChoice`). Lookup's and
+# blockwise's default is null (results/builtin_*_feeding_rule.md); aggressive's is 0, as it was not
 # measured under the rule.
 ALLOWED_MIN_ACCEPTANCE = Range(ge=0, le=1, integer=False, optional=True,
                                note="first draft tokens expected accepted per row of a call; null: "
@@ -170,10 +170,9 @@ REVISIT_EVERY = 32
 
 
 class LoopChoice:
-    """Which loop decodes a batch of a drafter whose drafts are a function of the source and the
-    output so far (lookup), where the measured rule could feed its drafts: the verify loop, or
-    sequential decoding, whose host work per call is less, with the drafts probed on its output
-    afterwards. Decided by each loop's seconds per output token, the median of its latest
+    """Which loop decodes a batch under the measured rule: the verify loop, or sequential decoding
+    of the same model, whose calls feed nothing and cost less (with lookup's drafts probed on its
+    output afterwards). Decided by each loop's seconds per output token, the median of its latest
     DECODES_KEPT decodes at the batch size: first DECODES_TO_COMPARE decodes of the verify loop,
     then of sequential decoding, then the faster, and one decode in REVISIT_EVERY the other."""
 
@@ -198,7 +197,7 @@ class LoopChoice:
 class FeedingRecord:
     """What a drafter measured over its decodes on one device, eagerly or compiled, from which the
     measured rule (`min_acceptance` null) decides: its calls' costs, its drafts' tally summed over
-    the decodes, and where the drafter's drafts can be probed on an output, its loops' times."""
+    the decodes, and its loops' times."""
 
     def __init__(self):
         self.costs = CallCosts()

@@ -26,10 +26,11 @@ import torch
 
 from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, has_fixed_shape_greedy_step,
                                output_logits, sizes, source_at_fixed_width)
-from decoders.base import Decoder
+from decoders.base import DecodeOutput, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
                                    fed_offers, kept_tokens, next_draft_lengths)
+from decoders.sequential import greedy_outputs
 from decoders.loop import (NOT_PRODUCED, LiveRows, Stopwatch, fixed_shape_rows, flat_decode_output,
                            read_back, send, topped_up)
 from decoders.verify_tables import bias_tables
@@ -195,11 +196,49 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask):
+        if self.min_acceptance is not None:
+            return self.verify_generate(model, input_ids, attention_mask)
+        # measured: the verify loop, or sequential decoding where it was measured faster
+        # (`LoopChoice`), as it is where the drafts cost more than the tokens they gain
+        record, rows, started = self.feeding_record(input_ids.device), input_ids.size(0), time.perf_counter()
+        verifies = self.verifies(record, rows)
+        out = (self.verify_generate(model, input_ids, attention_mask) if verifies
+               else self.sequential_generate(model, input_ids, attention_mask, record))
+        record.loops.add(rows, verifies, (time.perf_counter() - started) / sum(out.tokens))
+        return out
+
+    def verify_generate(self, model, input_ids, attention_mask) -> DecodeOutput:
+        """The decode by the verify loop."""
         loop = VerifyLoop(self, model, input_ids.device)
         state = loop.start(input_ids, attention_mask)
         while state.host.examples:
             state = loop.settle(state, loop.call(state))
         return loop.output(state)
+
+    def verifies(self, record: FeedingRecord, rows: int) -> bool:
+        """Under the measured rule, whether a decode of `rows` rows runs the verify loop, not
+        sequential decoding: as `record.loops` chooses (`LoopChoice`)."""
+        return record.loops.verifies(rows)
+
+    def sequential_generate(self, model, input_ids, attention_mask,
+                            record: FeedingRecord) -> DecodeOutput:
+        """The decode by sequential decoding of the same model: the same tokens, no draft, in
+        calls whose host work is less than the verify loop's; the drafts the verify loop would
+        have probed tallied in `record` where the drafter can tell them from the output
+        (`probe_output`)."""
+        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
+        outputs, calls = greedy_outputs(self, model, encoder_states, attention_mask)
+        self.probe_output(record, input_ids, attention_mask, outputs)
+        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], calls,
+                                  stats={name: 0.0 for name in DraftCounters._fields})
+
+    def probe_output(self, record: FeedingRecord, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor, outputs: list[list[int]]) -> None:
+        """Tally in `record` the drafts a verify loop that fed none would have probed, from a
+        sequential decode's `outputs` (each row's tokens): where the drafts are a function of the
+        source and the output so far (lookup). By default nothing: drafts drawn from the decoder's
+        states (blockwise's heads) are tallied only by the verify loop's decodes, which
+        `LoopChoice` revisits."""
 
 
 # ---- the verify loop -----------------------------------------------------------------------------
@@ -270,6 +309,7 @@ class VerifyLoop:
         self.drafter, self.model, self.run = drafter, model, drafter.model_step()
         self.fixed_shapes = drafter.compiles()
         self.call_rows: dict[int, torch.Tensor] = {}   # P -> (P, 1) 0 .. P - 1, for fixed shapes
+        self.steps: dict[tuple, Any] = {}               # shape -> its compiled step, for fixed shapes
         self.bound, self.width = drafter.max_new_tokens, drafter.draft_width
         self.reads = drafter.host_reads
         # where the loop decides from what feeding costs (`min_acceptance` null): what the
@@ -361,8 +401,13 @@ class VerifyLoop:
         # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
         # and whether the call makes the cache
         shape = (rows, queries, device.encoder_states.size(1), slots.width, host.batch_calls == 0)
-        timed = started if has_fixed_shape_greedy_step(self.model, shape) else None
-        hidden, greedy = fixed_shape_greedy_step(self.model, shape)(
+        step = self.steps.get(shape)
+        if step is None:   # looked up once per decode: the lookup costs a share of a call
+            timed = started if has_fixed_shape_greedy_step(self.model, shape) else None
+            step = self.steps[shape] = fixed_shape_greedy_step(self.model, shape)
+        else:
+            timed = started
+        hidden, greedy = step(
             self.model, every_row, bias, device.encoder_states, device.cross_mask, device.cache,
             slots, slots.each)
         hidden, greedy, count = hidden[:live], greedy[:live], count[:live]           # the live rows'

@@ -35,7 +35,6 @@ Measured (`min_acceptance` null, the default). A row's drafts are a function of 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +42,10 @@ import torch
 from decoders import register
 from datamodules.vocabulary import Range
 from decoders.base import OUTPUT_BOUND, Option
-from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE, FeedingRecord
-from decoders.drafts import (Draft, DraftAndVerifyDecoder, DraftCounters, Drafting, HostReads, HostRows,
-                             Source, Verified)
-from decoders.loop import flat_decode_output, read_back
-from decoders.sequential import SequentialDecoder, greedy_outputs
+from decoders.draft_policy import DRAFT_LENGTH, MEASURED_MIN_ACCEPTANCE
+from decoders.drafts import Draft, DraftAndVerifyDecoder, Drafting, HostReads, HostRows, Source, Verified
+from decoders.loop import read_back
+from decoders.sequential import SequentialDecoder
 
 
 @dataclass
@@ -116,30 +114,14 @@ class LookupDecoder(DraftAndVerifyDecoder[SourceLookup]):
                   for example, earlier, token in zip(host.examples, host.earlier, host.newest)]
         return Draft(None, [len(tokens) for tokens in drafts], on_host=drafts)
 
-    @torch.no_grad()
-    def generate(self, model, input_ids, attention_mask):
-        if self.min_acceptance is not None:
-            return super().generate(model, input_ids, attention_mask)
-        # measured: the verify loop, or sequential decoding where the rule would feed no draft or
-        # where it was measured faster (`LoopChoice`)
-        record, rows, started = self.feeding_record(input_ids.device), input_ids.size(0), time.perf_counter()
-        verifies = record.may_feed(rows, self.draft_width) and record.loops.verifies(rows)
-        out = (super().generate(model, input_ids, attention_mask) if verifies
-               else self.sequential_generate(model, input_ids, attention_mask, record))
-        record.loops.add(rows, verifies, (time.perf_counter() - started) / sum(out.tokens))
-        return out
+    def verifies(self, record, rows):
+        # sequential decoding also where the measured rule would feed no draft at the start
+        return record.may_feed(rows, self.draft_width) and record.loops.verifies(rows)
 
-    def sequential_generate(self, model, input_ids, attention_mask, record: FeedingRecord):
-        """Sequential decoding, its loop's host work per call less than the verify loop's; the
-        drafts the verify loop would have probed are a function of the source and the output so
-        far, so they are probed on the output afterwards, and tallied in `record`."""
+    def probe_output(self, record, input_ids, attention_mask, outputs):
         prior = record.prior()
-        encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
-        outputs, calls = greedy_outputs(self, model, encoder_states, attention_mask)
         probes = self.probes(source_lookup(input_ids, attention_mask, self.match), outputs)
         record.add(prior.added([0] * len(probes), [0] * len(probes), probes), prior)
-        return flat_decode_output(outputs, self.special, [len(tokens) for tokens in outputs], calls,
-                                  stats={name: 0.0 for name in DraftCounters._fields})
 
     def probes(self, lookup: SourceLookup, outputs: list[list[int]]) -> list[bool]:
         """For each draft a decode that fed none would have probed (a draft after an output token

@@ -203,6 +203,7 @@ class Batch:
     written: int = 0             # the columns calls have written (all N where the cache grows)
     batch_calls: int = 0
     cells_by_counts: dict = field(default_factory=dict)   # running counts -> `running_cells`
+    steps: dict = field(default_factory=dict)             # shape -> its compiled step, fixed shapes
 
     def running_cells(self, running: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, column) indices, (n,) each, of the running columns: the first running[b] of
@@ -433,7 +434,9 @@ class PipelinedDecoder(Decoder):
         # one compiled function per shape: the rows, columns, source's and attended columns'
         # widths, the grid's width, and whether the call makes the cache
         shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width, batch.batch_calls == 0)
-        return fixed_shape_compiled(batch.model, greedy_columns, shape)(
+        if shape not in batch.steps:   # looked up once per decode: the lookup costs a share of a call
+            batch.steps[shape] = fixed_shape_compiled(batch.model, greedy_columns, shape)
+        return batch.steps[shape](
             batch.model, topped_up(token, rows), topped_up(query, rows), batch.keys, written,
             batch.table, batch.width, attended, batch.encoder_states, batch.cross_mask, batch.cache)
 

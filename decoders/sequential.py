@@ -132,14 +132,17 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
     step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
+    compiled = {}   # shape -> its compiled step
     for step in range(bound):
         bias, slots, positions = steps[step]
         # one compiled function per shape: the rows, the source's and the attended slots'
         # widths, and whether the call makes the cache
         shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
-        step_input, produced[rows.index, step], finished = fixed_shape_compiled(
-            model, next_tokens, shape)(model, step_input, finished, end, bias, encoder_states,
-                                       cross_mask, cache, slots, positions)
+        if shape not in compiled:   # looked up once per decode: the lookup costs a share of a call
+            compiled[shape] = fixed_shape_compiled(model, next_tokens, shape)
+        step_input, produced[rows.index, step], finished = compiled[shape](
+            model, step_input, finished, end, bias, encoder_states, cross_mask, cache, slots,
+            positions)
         if step + 1 == bound:
             break
         done = rows.read(finished)

@@ -2,6 +2,8 @@
 token (alone and in batches where rows accept different lengths), the acceptance rule itself, one
 host sync per decoder call, a self-attention cache no longer than the longest live row and holding
 the right states, the summed k-head loss, and checkpoint compatibility with the sequential decoder."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from decoders import available, build_decoder, decoder_class
 from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
+from decoders.draft_policy import DECODES_KEPT, DECODES_TO_COMPARE, Tally
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
 from tests.conftest import (ALWAYS_FEED, SPECIAL, VOCAB, assert_alone_equals_batched, assert_drafts_counted,
@@ -92,6 +95,33 @@ def test_matches_sequential_after_training_and_accepts_proposals(trained):
         alone_ref = sequential(model, 20).generate(model, input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n])
         assert_same_output(alone, alone_ref)
         assert_drafts_counted(alone, decoder.draft_width)
+
+
+def test_a_measured_decode_runs_the_loop_measured_faster(trained):
+    """Measured (`min_acceptance` null, the default): once both loops were timed at a batch size,
+    a decode runs the one measured faster per output token (`LoopChoice`). Sequential decoding of
+    the base head gives the verify loop's tokens in sequential's calls, feeds no draft, times no
+    call and leaves the drafts' tally as it was; the verify loop, measured faster, feeds drafts."""
+    model, always_feeding = trained
+    assert decoder_class("blockwise").defaults()["min_acceptance"] is None
+    decoder = copy.deepcopy(always_feeding)
+    decoder.min_acceptance = None
+    input_ids, attention_mask = exercised_batch(model, always_feeding)
+    rows, expected = len(input_ids), sequential(model, 20).generate(model, input_ids, attention_mask)
+    record = decoder.feeding_record(input_ids.device)
+    for verifies, seconds in ((True, 2.0), (False, 1.0)):
+        for _ in range(DECODES_TO_COMPARE):
+            record.loops.add(rows, verifies, seconds)
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, expected)
+    assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
+    assert not any(out.stats.values()) and record.drafts == Tally(None) and not record.costs.seconds
+    assert len(record.loops.seconds[rows, False]) == DECODES_TO_COMPARE + 1
+    for _ in range(DECODES_KEPT):
+        record.loops.add(rows, True, 0.5)
+    out = decoder.generate(model, input_ids, attention_mask)
+    assert_same_output(out, expected)
+    assert out.stats["draft_tokens_accepted"] > 0 and record.drafts.tries > 0
 
 
 # ---- 2. the acceptance rule ---------------------------------------------------------------------
@@ -513,7 +543,7 @@ def test_yaml_options_are_the_constructor_arguments():
     options = {k: v for k, v in cfg.decoder.items() if k != "name"}
     assert options == {"block_size": 4, "freeze_backbone": False, "top_k": 1,
                        "max_new_tokens": cfg.data.max_target_length, "draft_length": "fixed",
-                       "min_acceptance": 0.0, "compile": False}
+                       "min_acceptance": None, "compile": False}
     decoder = build_decoder("blockwise", tiny_t5(0).config, SPECIAL, **options)
     assert decoder.block_size == 4 and len(decoder.heads) == 3
 

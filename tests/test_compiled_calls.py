@@ -1,6 +1,7 @@
 """`decoder.compile`: every decoder can run its calls' model step through torch.compile; the tokens
 are those of the eager decode, training never compiles, and it is decode-only (a comparison sweeps
 it on one trained model)."""
+import copy
 import gc
 import weakref
 
@@ -13,8 +14,10 @@ import decoders.base
 import decoders.drafts
 import decoders.pipelined
 import decoders.sequential
-from decoders.backbone import compiled_encode, compiled_run_decoder, encode, greedy_step, run_decoder
-from decoders.cache import ATTENDED_SLOTS_STEP
+from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_run_decoder, encode, greedy_step,
+                               run_decoder)
+from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
+from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
 from decoders.sequential import rows_past_bucket
 from tasks.bench import bounded, with_drafter
@@ -226,9 +229,9 @@ def test_compiled_sequential_decoding_compiles_once_and_later_decodes_reuse_it(m
     expected = eager.generate(model, *batch)
     assert expected.tokens != eager.generate(model, *warm_up).tokens   # rows ending otherwise
     compiled.generate(model, *warm_up)
-    graphs = dict(counters["stats"])
+    graphs, steps = dict(counters["stats"]), len(COMPILED_STEPS)
     out = compiled.generate(model, *batch)
-    assert dict(counters["stats"]) == graphs
+    assert dict(counters["stats"]) == graphs and len(COMPILED_STEPS) == steps
     assert_same_output(out, expected)
 
 
@@ -335,9 +338,9 @@ def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_i
         compiled.generate(model, *warm_up)
     batch = next(batch for batch in (random_batch(4, seed=seed) for seed in range(3, 40))
                  if set(decoded_recording_shapes(compiled, model, batch, monkeypatch)[1]) <= met)
-    graphs = dict(counters["stats"])
+    graphs, steps = dict(counters["stats"]), len(COMPILED_STEPS)
     out = compiled.generate(model, *batch)
-    assert dict(counters["stats"]) == graphs
+    assert dict(counters["stats"]) == graphs and len(COMPILED_STEPS) == steps
     expected = eager.generate(model, *batch)
     assert_same_output(out, expected)
     assert out.decoder_calls == expected.decoder_calls
@@ -382,3 +385,56 @@ def test_a_compiled_decode_reads_the_weights_at_every_call_and_compiles_again_fo
     assert changed.subsequences != before.subsequences   # not vacuous: the weights decide
     model.to(torch.float32 if model.dtype == torch.float64 else torch.float64)
     assert_same_output(compiled.generate(model, *batch), eager.generate(model, *batch))
+
+
+def written_and_read(model, x, slots, cache):
+    """A toy step: `model(x)` (rows, d) written into `cache.keys[0]` (rows, d, slots) at each row's
+    slot, and what the cache holds then, times a constant."""
+    cache.keys[0][slots.rows[:, 0], :, slots.each[:, 0]] = model(x)
+    return cache.keys[0].sum(-1) * slots.width, model(x)
+
+
+def made_and_read(model, x, slots, cache):
+    """A toy step that puts a new tensor into the cache, as the call that makes a decode's cache."""
+    cache.keys[0] = model(x)[:, :, None].expand(-1, -1, slots.width).clone()
+    return cache.keys[0].sum(-1)
+
+
+@pytest.mark.slow   # compiling takes seconds
+def test_a_fixed_shape_step_is_a_graph_of_its_tensors_that_checks_what_it_was_compiled_for():
+    """`FixedShapeStep`: its first call compiles a graph of the model's weights and every tensor
+    its arguments hold (a `DecoderCache`'s and a NamedTuple's too), whose later calls give the eager
+    results, write the cache in place and read the weights as they are then; a call with a tensor of
+    another shape or another constant fails, not reads out of bounds. A step that puts new tensors
+    into its arguments runs through its fallback, and gives the eager results."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).double()
+    rows = torch.arange(3)[:, None]
+
+    def arguments(width=5):
+        cache = DecoderCache(1)
+        cache.keys[0] = torch.zeros(3, 4, width, dtype=torch.float64)
+        return torch.randn(3, 4, dtype=torch.float64), Slots(each=torch.tensor([[0], [2], [1]]), rows=rows,
+                                                             width=width), cache
+
+    with torch.no_grad():
+        step = FixedShapeStep(written_and_read, written_and_read, FIXED_SHAPE_OPTIONS)
+        for call in range(3):
+            if call == 2:
+                model.weight.mul_(2)   # in place: the next call reads it
+            x, slots, cache = arguments()
+            expected_cache = copy.deepcopy(cache)
+            expected = written_and_read(model, x, slots, expected_cache)
+            out = step(model, x, slots, cache)
+            assert step.compiled is not None
+            assert all(torch.equal(got, want) for got, want in zip(out, expected))
+            assert torch.equal(cache.keys[0], expected_cache.keys[0])
+        x, slots, cache = arguments()
+        with pytest.raises((RuntimeError, AssertionError)):
+            step(model, torch.randn(2, 4, dtype=torch.float64), slots, cache)
+        with pytest.raises(RuntimeError, match="other constants"):
+            step(model, x, slots._replace(width=6), cache)
+        making = FixedShapeStep(made_and_read, made_and_read, FIXED_SHAPE_OPTIONS)
+        x, slots, cache = arguments()
+        expected = made_and_read(model, x, slots, copy.deepcopy(cache))
+        assert torch.equal(making(model, x, slots, cache), expected) and making.compiled is None

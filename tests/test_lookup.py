@@ -230,8 +230,9 @@ def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match
 
 def test_a_compiled_measured_decode_may_be_the_sequential_decoders_fixed_shape_loop(blind, monkeypatch):
     """Compiled (`decoder.compile`), a measured decode the rule would feed nothing is the sequential
-    decoder's fixed-shape loop (its `next_tokens` through `fixed_shape_compiled`, run eagerly here),
-    with the eager sequential decoder's tokens and calls; no verify-loop step is made."""
+    decoder's fixed-shape loop (its `next_tokens` through `fixed_shape_compiled`, run eagerly here,
+    each shape's step looked up once per decode), with the eager sequential decoder's tokens and
+    calls; no verify-loop step is made."""
     model, _, (input_ids, attention_mask) = blind
     shapes, verify_shapes = [], []
     monkeypatch.setattr(decoders.base, "compiled_encode", encode)
@@ -246,7 +247,7 @@ def test_a_compiled_measured_decode_may_be_the_sequential_decoders_fixed_shape_l
     expected = sequential(model, 16).generate(model, input_ids, attention_mask)
     assert_same_output(out, expected)
     assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
-    assert len(shapes) == out.batch_decoder_calls and not verify_shapes
+    assert shapes and len(set(shapes)) == len(shapes) and not verify_shapes   # each looked up once
 
 
 # ---- 2. calls by construction: the rigged chain model ---------------------------------------
