@@ -217,7 +217,7 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
 
     def verifies(self, record: FeedingRecord, rows: int) -> bool:
         """Under the measured rule, whether a decode of `rows` rows runs the verify loop, not
-        sequential decoding: as `record.loops` chooses (`LoopChoice`)."""
+        sequential decoding: as its record's `LoopChoice` chooses."""
         return record.loops.verifies(rows)
 
     def sequential_generate(self, model, input_ids, attention_mask,
