@@ -331,9 +331,10 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     of one row (one fed token of a batch of one) runs as inductor's own loop (its
     `decompose_mm_pass`), not as a BLAS call: at a decoder call's sizes a BLAS call costs more
     than its arithmetic. The wrapper allocates the graph's intermediate tensors as one block
-    (`memory_planning`), not one by one, and does not re-check its inputs' sizes and strides
-    (`size_asserts` off), which the step checks already: at a decoder call's sizes each
-    allocation and check costs a share of the call."""
+    (`memory_planning`), not one by one: at a decoder call's sizes each allocation costs a share
+    of the call. The inputs' sizes and strides are checked once per call: by the graph's C++
+    wrapper for a graph of tensors (`size_asserts` on), by Dynamo's guards for the fallback
+    (`size_asserts` off there)."""
     steps = _COMPILED.setdefault(model, {})
     key = _compiled_key(model, function, ("fixed shape", shape))
     if key not in steps:
