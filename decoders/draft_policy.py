@@ -172,7 +172,8 @@ REVISIT_EVERY = 32
 class LoopChoice:
     """Which loop decodes a batch under the measured rule: the verify loop, or sequential decoding
     of the same model, whose calls feed nothing and cost less (with lookup's drafts probed on its
-    output afterwards). Decided by each loop's seconds per output token, the median of its latest
+    output afterwards). Decided by each loop's seconds per output token after the encoder (which
+    both run alike, and which would weigh most in the shortest outputs), the median of its latest
     DECODES_KEPT decodes at the batch size: first DECODES_TO_COMPARE decodes of the verify loop,
     then of sequential decoding, then the faster, and one decode in REVISIT_EVERY the other."""
 

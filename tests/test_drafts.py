@@ -9,6 +9,7 @@ import functools
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,30 @@ def test_a_loop_choice_times_both_loops_then_runs_the_faster_and_revisits_the_ot
     for _ in range(DECODES_KEPT):
         choice.add(4, False, seconds[False])
     assert choice.verifies(4) != (choice.decodes[4] % REVISIT_EVERY == REVISIT_EVERY - 1)
+
+
+def test_a_loop_choice_times_the_loops_after_the_encoder(monkeypatch):
+    """Measured, the seconds per output token that `LoopChoice` compares leave out the encoder,
+    which the verify loop and sequential decoding run alike (and which would weigh most in the
+    shortest outputs): an encoder that takes 1000 s on the clock shows in neither loop's time."""
+    model = tiny_t5(0)
+    decoder, input_ids, attention_mask = knowing_drafter(model, 12, right_until=BOUND)
+    assert decoder.min_acceptance is None
+    slept, clock = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + slept[0])
+    encode = decoder.encoder_pass()
+
+    def slow_encode(*args):
+        slept[0] += 1000.0
+        return encode(*args)
+
+    monkeypatch.setattr(decoder, "encoder_pass", lambda: slow_encode)
+    for loop in (True, False):
+        monkeypatch.setattr(decoder, "verifies", lambda record, rows, loop=loop: loop)
+        assert_greedy(decoder, model, input_ids, attention_mask)
+    seconds = decoder.feeding_record(input_ids.device).loops.seconds
+    assert slept[0] == 2000.0 and set(seconds) == {(3, True), (3, False)}
+    assert all(0 < per_token < 1 for times in seconds.values() for per_token in times)
 
 
 @pytest.mark.parametrize("offering,feeds", [({0}, False), ({0, 1}, True)])
