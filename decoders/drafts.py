@@ -30,9 +30,9 @@ from decoders.base import DecodeOutput, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
                                    fed_offers, kept_tokens, next_draft_lengths)
-from decoders.sequential import greedy_outputs
 from decoders.loop import (NOT_PRODUCED, LiveRows, Stopwatch, fixed_shape_rows, flat_decode_output,
                            read_back, send, topped_up)
+from decoders.sequential import greedy_outputs
 from decoders.verify_tables import bias_tables
 
 
