@@ -200,9 +200,8 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
         if self.min_acceptance is not None:
             return self.verify_generate(model, input_ids, attention_mask, encoder_states)
         # measured: the verify loop, or sequential decoding where it was measured faster
-        # (`LoopChoice`), as it is where the drafts cost more than the tokens they gain. Timed
-        # after the encoder, which both run alike: its share of a short output's time would
-        # hide the loops' difference behind the outputs' lengths
+        # (`LoopChoice`, which says why it is timed after the encoder), as it is where the drafts
+        # cost more than the tokens they gain
         record, rows, started = self.feeding_record(input_ids.device), input_ids.size(0), time.perf_counter()
         verifies = self.verifies(record, rows)
         out = (self.verify_generate(model, input_ids, attention_mask, encoder_states) if verifies
