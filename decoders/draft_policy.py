@@ -162,7 +162,7 @@ def fitted_costs(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[f
 # The latest decodes of each loop and batch size whose median `LoopChoice` compares.
 DECODES_KEPT = 7
 # The decodes of each loop timed at a batch size before the two are compared: a median of three
-# that one decode slowed by compiling, or by first touching memory, does not move.
+# that one decode slowed by first touching memory does not move.
 DECODES_TO_COMPARE = 3
 # One decode in this many at a batch size runs the loop not chosen, so that its time stays current
 # as the tally and the machine change.
@@ -174,8 +174,10 @@ class LoopChoice:
     of the same model, whose calls feed nothing and cost less (with lookup's drafts probed on its
     output afterwards). Decided by each loop's seconds per output token after the encoder (which
     both run alike, and which would weigh most in the shortest outputs), the median of its latest
-    DECODES_KEPT decodes at the batch size: first DECODES_TO_COMPARE decodes of the verify loop,
-    then of sequential decoding, then the faster, and one decode in REVISIT_EVERY the other."""
+    DECODES_KEPT decodes at the batch size that compiled no step (a step compiles once per shape,
+    in seconds, and a loop's first decodes compile most: that says nothing of its later ones):
+    first DECODES_TO_COMPARE decodes of the verify loop, then of sequential decoding, then the
+    faster, and one decode in REVISIT_EVERY the other."""
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], deque[float]] = {}   # (rows, verify loop) -> latest

@@ -28,6 +28,7 @@ from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, ha
                                output_logits, sizes, source_at_fixed_width)
 from decoders.base import DecodeOutput, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
+from decoders.compiled_step import COMPILED_STEPS
 from decoders.draft_policy import (ADAPTIVE, FIXED, FeedingRecord, Tally, counted_positions,
                                    fed_offers, kept_tokens, next_draft_lengths)
 from decoders.loop import (NOT_PRODUCED, LiveRows, Stopwatch, fixed_shape_rows, flat_decode_output,
@@ -202,11 +203,13 @@ class DraftAndVerifyDecoder(Decoder, Generic[DraftState]):
         # measured: the verify loop, or sequential decoding where it was measured faster
         # (`LoopChoice`, which says why it is timed after the encoder), as it is where the drafts
         # cost more than the tokens they gain
-        record, rows, started = self.feeding_record(input_ids.device), input_ids.size(0), time.perf_counter()
+        record, rows = self.feeding_record(input_ids.device), input_ids.size(0)
+        compiled, started = len(COMPILED_STEPS), time.perf_counter()
         verifies = self.verifies(record, rows)
         out = (self.verify_generate(model, input_ids, attention_mask, encoder_states) if verifies
                else self.sequential_generate(model, input_ids, attention_mask, encoder_states, record))
-        record.loops.add(rows, verifies, (time.perf_counter() - started) / sum(out.tokens))
+        if len(COMPILED_STEPS) == compiled:   # a decode that compiled a step times its compiling
+            record.loops.add(rows, verifies, (time.perf_counter() - started) / sum(out.tokens))
         return out
 
     def verify_generate(self, model, input_ids, attention_mask, encoder_states) -> DecodeOutput:

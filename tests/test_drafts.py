@@ -18,6 +18,7 @@ import torch
 from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
+from decoders.compiled_step import COMPILED_STEPS
 from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, DECODES_KEPT, DECODES_TO_COMPARE, DRAFT_LENGTH, FIXED,
                                    MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES, REVISIT_EVERY, CallCosts,
                                    FeedingRecord, LoopChoice, Tally, call_width, counted_positions,
@@ -364,6 +365,31 @@ def test_a_loop_choice_times_the_loops_after_the_encoder(monkeypatch):
     seconds = decoder.feeding_record(input_ids.device).loops.seconds
     assert slept[0] == 2000.0 and set(seconds) == {(3, True), (3, False)}
     assert all(0 < per_token < 1 for times in seconds.values() for per_token in times)
+
+
+def test_a_loop_choice_leaves_out_a_decode_that_compiled_a_step(monkeypatch):
+    """Measured, a decode during which a fixed-shape step compiled (`COMPILED_STEPS` grew) adds no
+    time to `LoopChoice`: its seconds are the compiling's, not the loop's; the next decode of the
+    same loop, which compiles nothing, adds its own."""
+    model = tiny_t5(0)
+    decoder, input_ids, attention_mask = knowing_drafter(model, 12, right_until=BOUND)
+    assert decoder.min_acceptance is None
+    verify = decoder.verify_generate
+
+    def compiling(*args):
+        COMPILED_STEPS.append("a step compiled during the decode")
+        return verify(*args)
+
+    loops = decoder.feeding_record(input_ids.device).loops
+    try:
+        monkeypatch.setattr(decoder, "verify_generate", compiling)
+        assert_greedy(decoder, model, input_ids, attention_mask)
+        assert loops.seconds == {} and loops.decodes == {}
+    finally:
+        COMPILED_STEPS.pop()
+    monkeypatch.setattr(decoder, "verify_generate", verify)
+    assert_greedy(decoder, model, input_ids, attention_mask)
+    assert {key: len(times) for key, times in loops.seconds.items()} == {(3, True): 1}
 
 
 @pytest.mark.parametrize("offering,feeds", [({0}, False), ({0, 1}, True)])
