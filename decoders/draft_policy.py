@@ -159,42 +159,60 @@ def fitted_costs(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[f
     return tuple(m[i][3] / m[i][i] for i in range(3))
 
 
-# The latest decodes of each loop and batch size whose median `LoopChoice` compares.
-DECODES_KEPT = 7
-# The decodes of each loop timed at a batch size before the two are compared: a median of three
-# that one decode slowed by first touching memory does not move.
+# The decodes of each loop timed at a batch size before the two are compared, and the latest decodes
+# of the chosen loop that a revisit of the other is compared with: a median of three that one decode
+# slowed by first touching memory does not move.
 DECODES_TO_COMPARE = 3
 # One decode in this many at a batch size runs the loop not chosen, so that its time stays current
 # as the tally and the machine change.
 REVISIT_EVERY = 32
+# The latest comparisons of the two loops at a batch size whose median decides.
+COMPARISONS_KEPT = 5
 
 
 class LoopChoice:
     """Which loop decodes a batch under the measured rule: the verify loop, or sequential decoding
     of the same model, whose calls feed nothing and cost less (with lookup's drafts probed on its
-    output afterwards). Decided by each loop's seconds per output token after the encoder (which
-    both run alike, and which would weigh most in the shortest outputs), the median of its latest
-    DECODES_KEPT decodes at the batch size that compiled no step (a step compiles once per shape,
-    in seconds, and a loop's first decodes compile most: that says nothing of its later ones):
-    first DECODES_TO_COMPARE decodes of the verify loop, then of sequential decoding, then the
-    faster, and one decode in REVISIT_EVERY the other."""
+    output afterwards). Decided by the loops' seconds per output token after the encoder (which
+    both run alike, and which would weigh most in the shortest outputs), of the decodes at the batch
+    size that compiled no step (a step compiles once per shape, in seconds, and a loop's first
+    decodes compile most: that says nothing of its later ones): first DECODES_TO_COMPARE decodes of
+    the verify loop, then of sequential decoding, then the faster, and one decode in REVISIT_EVERY
+    the other. Each comparison is a ratio of the verify loop's time to sequential decoding's, timed
+    in the same stretch: the first of the two loops' medians, then each revisit's over the chosen
+    loop's latest DECODES_TO_COMPARE decodes; the median of the latest COMPARISONS_KEPT decides. A
+    shared machine's speed drifts by more than the loops differ; a loop's times from decodes long
+    ago, against the other's of now, would choose by the drift."""
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], deque[float]] = {}   # (rows, verify loop) -> latest
+        self.ratios: dict[int, deque[float]] = {}                 # rows -> verify / sequential
         self.decodes: dict[int, int] = {}                         # rows -> decodes timed
+
+    def chosen(self, rows: int) -> bool | None:
+        """Whether the loop chosen at `rows` rows is the verify loop; None before both were timed."""
+        ratios = self.ratios.get(rows)
+        return statistics.median(ratios) <= 1 if ratios else None
 
     def verifies(self, rows: int) -> bool:
         """Whether the next decode of `rows` rows runs the verify loop."""
-        verify, sequential = (self.seconds.get((rows, loop), ()) for loop in (True, False))
-        if len(verify) < DECODES_TO_COMPARE or len(sequential) < DECODES_TO_COMPARE:
-            return len(verify) < DECODES_TO_COMPARE
-        faster = statistics.median(verify) <= statistics.median(sequential)
-        return faster != (self.decodes[rows] % REVISIT_EVERY == REVISIT_EVERY - 1)
+        chosen = self.chosen(rows)
+        if chosen is None:
+            return len(self.seconds.get((rows, True), ())) < DECODES_TO_COMPARE
+        return chosen != (self.decodes[rows] % REVISIT_EVERY == REVISIT_EVERY - 1)
 
     def add(self, rows: int, verified: bool, seconds_per_token: float) -> None:
         """A decode of `rows` rows, by the verify loop or not, and its seconds per output token."""
-        self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_KEPT)).append(seconds_per_token)
+        chosen = self.chosen(rows)
+        if chosen is not None and chosen != verified:   # a revisit
+            latest = statistics.median(self.seconds[rows, chosen])
+            self.ratios[rows].append(seconds_per_token / latest if verified else latest / seconds_per_token)
+        self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_TO_COMPARE)).append(seconds_per_token)
         self.decodes[rows] = self.decodes.get(rows, 0) + 1
+        verify, sequential = (self.seconds.get((rows, loop), ()) for loop in (True, False))
+        if chosen is None and len(verify) == len(sequential) == DECODES_TO_COMPARE:
+            self.ratios[rows] = deque([statistics.median(verify) / statistics.median(sequential)],
+                                      maxlen=COMPARISONS_KEPT)
 
 
 class FeedingRecord:

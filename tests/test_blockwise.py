@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from decoders import available, build_decoder, decoder_class
 from decoders.backbone import output_logits, run_decoder
 from decoders.base import Decoder
-from decoders.draft_policy import DECODES_KEPT, DECODES_TO_COMPARE, Tally
+from decoders.draft_policy import COMPARISONS_KEPT, DECODES_TO_COMPARE, Tally
 from decoders.drafts import accepted_length, kept_tokens
 from tasks.bench.sync_points import counting_sync_points
 from tests.conftest import (ALWAYS_FEED, SPECIAL, VOCAB, assert_alone_equals_batched, assert_drafts_counted,
@@ -116,8 +116,10 @@ def test_a_measured_decode_runs_the_loop_measured_faster(trained):
     assert_same_output(out, expected)
     assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
     assert not any(out.stats.values()) and record.drafts == Tally(None) and not record.costs.seconds
-    assert len(record.loops.seconds[rows, False]) == DECODES_TO_COMPARE + 1
-    for _ in range(DECODES_KEPT):
+    assert record.loops.decodes[rows] == 2 * DECODES_TO_COMPARE + 1   # timed as sequential decoding
+    assert list(record.loops.seconds[rows, True]) == [2.0] * DECODES_TO_COMPARE
+    # revisits of the verify loop, twice as fast as sequential decoding's latest decodes, outvote it
+    for _ in range(COMPARISONS_KEPT // 2 + 1):
         record.loops.add(rows, True, 0.5)
     out = decoder.generate(model, input_ids, attention_mask)
     assert_same_output(out, expected)

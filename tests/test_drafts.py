@@ -6,6 +6,7 @@ briefly trained one whose drafts are accepted, rows accepting different numbers 
 The decoder-specific behaviour (which drafts are offered, how many calls a construction takes) is
 tested in test_blockwise.py, test_lookup.py and test_aggressive.py."""
 import functools
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from decoders import available, build_decoder, decoder_class, drafts
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS
-from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, DECODES_KEPT, DECODES_TO_COMPARE, DRAFT_LENGTH, FIXED,
+from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, COMPARISONS_KEPT, DECODES_TO_COMPARE, DRAFT_LENGTH, FIXED,
                                    MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES, REVISIT_EVERY, CallCosts,
                                    FeedingRecord, LoopChoice, Tally, call_width, counted_positions,
                                    fed_offers, next_draft_lengths)
@@ -337,9 +338,29 @@ def test_a_loop_choice_times_both_loops_then_runs_the_faster_and_revisits_the_ot
     assert ran[:compared] == [True] * DECODES_TO_COMPARE + [False] * DECODES_TO_COMPARE
     assert ran[compared:] == [n % REVISIT_EVERY == REVISIT_EVERY - 1 for n in range(compared, len(ran))]
     assert choice.verifies(2)
-    seconds[False] = 3.0   # sequential decoding now slower: its median moves after a few decodes
-    for _ in range(DECODES_KEPT):
-        choice.add(4, False, seconds[False])
+
+
+def test_a_loop_choice_compares_a_revisit_with_the_chosen_loops_latest_decodes():
+    """Each comparison is timed in one stretch: the machine slowing 3x while sequential decoding
+    runs moves no choice (the verify loop, timed before the slowing, is not compared with its
+    later decodes); a revisit of the verify loop twice as fast as sequential decoding's latest
+    decodes is a ratio of 1/2, and once those make the median of the latest COMPARISONS_KEPT, the
+    verify loop runs."""
+    choice, seconds, ran = LoopChoice(), {True: 2.0, False: 1.0}, []
+
+    def decodes(count, slowing):
+        for _ in range(count):
+            ran.append(choice.verifies(4))
+            choice.add(4, ran[-1], seconds[ran[-1]] * slowing)
+
+    decodes(2 * DECODES_TO_COMPARE + 1, 1.0)
+    decodes(2 * REVISIT_EVERY, 3.0)
+    assert ran[2 * DECODES_TO_COMPARE:].count(True) == 2 and list(choice.ratios[4]) == [2.0] * 3
+    seconds[True] = 0.5
+    decodes((COMPARISONS_KEPT // 2) * REVISIT_EVERY, 3.0)
+    assert not choice.chosen(4)   # one ratio of 1/2 short of the median
+    decodes(REVISIT_EVERY, 3.0)
+    assert statistics.median(choice.ratios[4]) == 0.5 and choice.chosen(4)
     assert choice.verifies(4) != (choice.decodes[4] % REVISIT_EVERY == REVISIT_EVERY - 1)
 
 

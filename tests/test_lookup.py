@@ -3,6 +3,7 @@ batches whose rows accept different numbers of draft tokens), and its decoder ca
 those the lookup rule gives, counted here in plain Python from the greedy output and the source
 (`lookup_replay`); on models built so that the source holds the answer, calls by hand; its
 counters, options, host syncs and what it decodes."""
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -212,13 +213,15 @@ def test_a_measured_decode_may_be_sequential_and_tallies_its_probes(blind, match
                 record.loops.add(rows, verifies, seconds)
     assert record.may_feed(rows, 4) == (why != "the rule feeds nothing")
     timed = {shape: list(calls) for shape, calls in record.costs.seconds.items()}
+    decodes, verified = record.loops.decodes.get(rows, 0), copy.copy(record.loops.seconds.get((rows, True)))
     out = decoder.generate(model, input_ids, attention_mask)
     expected = sequential(model, 16).generate(model, input_ids, attention_mask)
     assert_same_output(out, expected)
     assert (out.decoder_calls, out.batch_decoder_calls) == (expected.decoder_calls, expected.batch_decoder_calls)
     assert out.stats == {name: 0.0 for name in DraftCounters._fields}
     assert {shape: list(calls) for shape, calls in record.costs.seconds.items()} == timed
-    assert len(record.loops.seconds[rows, False]) == (1 if why == "the rule feeds nothing" else 4)
+    # timed as sequential decoding: one decode more, none of the verify loop
+    assert record.loops.decodes[rows] == decodes + 1 and record.loops.seconds.get((rows, True)) == verified
     probes = [draft[0] == output[newest + 1]
               for source, output in zip(sources(input_ids, attention_mask),
                                         greedy_outputs(model, input_ids, attention_mask, bound=16))
