@@ -209,10 +209,11 @@ class LoopChoice:
             self.ratios[rows].append(seconds_per_token / latest if verified else latest / seconds_per_token)
         self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_TO_COMPARE)).append(seconds_per_token)
         self.decodes[rows] = self.decodes.get(rows, 0) + 1
-        verify, sequential = (self.seconds.get((rows, loop), ()) for loop in (True, False))
-        if chosen is None and len(verify) == len(sequential) == DECODES_TO_COMPARE:
-            self.ratios[rows] = deque([statistics.median(verify) / statistics.median(sequential)],
-                                      maxlen=COMPARISONS_KEPT)
+        if chosen is None:   # both loops' first decodes timed: the first comparison
+            verify, sequential = (self.seconds.get((rows, loop), ()) for loop in (True, False))
+            if len(verify) == len(sequential) == DECODES_TO_COMPARE:
+                self.ratios[rows] = deque([statistics.median(verify) / statistics.median(sequential)],
+                                          maxlen=COMPARISONS_KEPT)
 
 
 class FeedingRecord:
