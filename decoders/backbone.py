@@ -323,8 +323,8 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     `function` and `shape` (a key of every shape of the call, which the loop gives), made at the
     first call and kept while the model lives, and every later decode reuses it. It is called
     as a function of its tensors, without torch.compile's per-call work
-    (`decoders.compiled_step`), except where it puts new tensors into its arguments (the call that
-    makes a decode's cache), which runs through torch.compile for fixed shapes (`dynamic=False`,
+    (`decoders.compiled_step`), except where it puts new tensors into its arguments or cannot be
+    traced, where it runs through torch.compile for fixed shapes (`dynamic=False`,
     `compiled_for`: Dynamo checks the inputs' tensor guards only).
 
     A call costs its kernels and little else: the graph's wrapper is C++, and on a CPU a product
@@ -357,6 +357,37 @@ def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool
     it, which takes seconds."""
     step = _COMPILED.get(model, {}).get(_compiled_key(model, greedy_step_as_compiled, ("fixed shape", shape)))
     return step is not None and step.made
+
+
+def cache_made_whole(model: PreTrainedModel, encoder_states: torch.Tensor,
+                     most_slots: int) -> DecoderCache:
+    """The cache of a fixed-shape decode, made whole before its first call: each layer's
+    self-attention keys and values zeros at `most_slots` slots, and its cross-attention keys and
+    values of the encoder's states (B, S, d_model), computed by one function compiled for their
+    shape (`fixed_shape_compiled`). So every call of the loop, its first included, only writes
+    into tensors it is given, and runs as a graph of them (`decoders.compiled_step`)."""
+    parts = fixed_shape_compiled(model, whole_cache_parts, (*encoder_states.shape, most_slots))(
+        model, encoder_states, most_slots)
+    cache = DecoderCache(len(parts) // 4, most_slots)
+    cache.keys, cache.values = list(parts[2::4]), list(parts[3::4])
+    cache.encoder_keys_values = list(zip(parts[0::4], parts[1::4]))
+    if family_of(model.config).caches_positions:
+        cache.positions = torch.zeros(encoder_states.size(0), most_slots, dtype=torch.long,
+                                      device=encoder_states.device)
+    return cache
+
+
+def whole_cache_parts(model: PreTrainedModel, encoder_states: torch.Tensor,
+                      most_slots: int) -> tuple[torch.Tensor, ...]:
+    """`cache_made_whole`'s tensors, four per decoder layer: its cross-attention keys and values,
+    each (B, heads, S, d_kv), then its self-attention keys and values, each (B, heads, most_slots,
+    d_kv), zeros (an unwritten slot is hidden by the bias, but NaN garbage would survive it)."""
+    family, parts = family_of(model.config), []
+    for layer in range(sizes(model.config).layers):
+        keys, values = family.cross_keys_values(model, layer, encoder_states)
+        empty = keys.new_zeros(*keys.shape[:2], most_slots, keys.size(-1))
+        parts += [keys.contiguous(), values.contiguous(), empty, empty.clone()]
+    return tuple(parts)
 
 
 def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Every decoding loop passes the model step the slots its fed tokens' keys and values go to
 (`Slots`), as gpt-fast's cache update takes the input positions: the cache keeps no state of a
-call. The encoder's keys and values are computed at a decode's first call and kept.
+call. The encoder's keys and values are computed at a decode's first call and kept, or, in a
+loop compiled for fixed shapes, before it (`backbone.cache_made_whole`).
 """
 from __future__ import annotations
 
@@ -46,21 +47,21 @@ def power_of_two_holding(count: int) -> int:
 class DecoderCache:
     """Per decoder layer: the self-attention keys and values, (B, heads, slots, d_kv) each, and the
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop
-    whose rows write at their own slots: it grows by doubling up to it, or, where it does not
-    `grow` (a loop compiled for fixed shapes, whose calls then always find one buffer shape), is
-    made whole at the first write. A family whose layers read the positions of the keys they attend
+    whose rows write at their own slots: it grows by doubling up to it. A loop compiled for fixed
+    shapes is given its cache made whole before its first call (`backbone.cache_made_whole`), so
+    that its calls always find one buffer shape. A family whose layers read the positions of the keys they attend
     to (UMT5) keeps them too, (B or 1, slots) (`write_positions`)."""
 
-    def __init__(self, layers: int, most_slots: int | None = None, grows: bool = True):
+    def __init__(self, layers: int, most_slots: int | None = None):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.encoder_keys_values: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.positions: torch.Tensor | None = None
-        self.most_slots, self.grows = most_slots, grows
+        self.most_slots = most_slots
 
     def room(self, width: int) -> int:
         """The slots of a buffer grown (or made) for a call that attends `width` slots."""
-        return min(self.most_slots, 2 * width) if self.grows else self.most_slots
+        return min(self.most_slots, 2 * width)
 
     def held(self) -> int:
         """Slots the self-attention part holds (0 before the first write)."""

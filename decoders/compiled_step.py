@@ -11,9 +11,10 @@ arguments' ints, None and other values) are checked at every call, and the sizes
 its tensors by the graph's C++ wrapper: a call in another shape fails instead of reading out of
 bounds.
 
-A step that puts new tensors into its arguments (the call that makes a decode's cache) is not a
+A step that puts new tensors into its arguments (a cache it would make or grow) is not a
 function of the tensors it is given: it runs through torch.compile (its `fallback`), as does a
-step that cannot be traced.
+step that cannot be traced. The decoding loops make their cache whole before their first call
+(`backbone.cache_made_whole`), so every call of theirs runs as a graph.
 """
 from __future__ import annotations
 
@@ -128,10 +129,10 @@ def _layout(value: Any, path: str, tensors: list[str], constants: list[str]) -> 
     if isinstance(value, DecoderCache):
         parts = {name: _layout(getattr(value, name), f"{path}.{name}", tensors, constants)
                  for name in CACHE_PARTS}
-        layers, most_slots, grows = len(value.keys), value.most_slots, value.grows
+        layers, most_slots = len(value.keys), value.most_slots
 
         def cache(values):
-            made = DecoderCache(layers, most_slots, grows)
+            made = DecoderCache(layers, most_slots)
             for name, part in parts.items():
                 setattr(made, name, part(values))
             return made

@@ -24,8 +24,9 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, has_fixed_shape_greedy_step,
-                               output_logits, sizes, source_at_fixed_width)
+from decoders.backbone import (cache_made_whole, cross_attention_mask, fixed_shape_greedy_step,
+                               has_fixed_shape_greedy_step, output_logits, sizes,
+                               source_at_fixed_width)
 from decoders.base import DecodeOutput, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.compiled_step import COMPILED_STEPS
@@ -349,8 +350,10 @@ class VerifyLoop:
         host = OnHost(list(range(batch_size)), [0] * batch_size, drafting.first, [], [], lengths,
                       tally, DraftCounters(), drafting, 0, {}, [False] * batch_size)
         device_part = OnDevice(starts, live, live.index[:, None], live.index, encoder_states, cross_mask,
-                               DecoderCache(sizes(self.model.config).layers, self.most_slots,
-                                            grows=not self.fixed_shapes), produced)
+                               cache_made_whole(self.model, encoder_states, self.most_slots)
+                               if self.fixed_shapes else
+                               DecoderCache(sizes(self.model.config).layers, self.most_slots),
+                               produced)
         return self.fed_next(LoopState(device_part, host), starts, drafting.first)
 
     def call(self, state: LoopState) -> Called:
@@ -383,11 +386,12 @@ class VerifyLoop:
 
     def fixed_shape_call(self, state: LoopState, started: float) -> Called:
         """`call` in a few fixed shapes, each compiled once (`backbone.fixed_shape_greedy_step`):
-        every row at its own slots of a cache made whole at the first call (`most_slots`), attended
-        in widths of `cache.ATTENDED_SLOTS_STEP`; 1 or k + 1 fed tokens, a row's tokens past its
-        offer filler; the live rows topped up to the cache's P rows with copies of the first, whose
-        tokens the call discards. The tokens and counts are `call`'s; a call that compiles its step
-        is not `started` on the clock: its time is the compiling's, not what the call costs."""
+        every row at its own slots of a cache made whole before the first call (`most_slots`),
+        attended in widths of `cache.ATTENDED_SLOTS_STEP`; 1 or k + 1 fed tokens, a row's tokens
+        past its offer filler; the live rows topped up to the cache's P rows with copies of the
+        first, whose tokens the call discards. The tokens and counts are `call`'s; a call that
+        compiles its step is not `started` on the clock: its time is the compiling's, not what the
+        call costs."""
         device, host = state.device, state.host
         live, rows = len(host.examples), device.encoder_states.size(0)
         fed = device.fed                                                             # (live, Q)
@@ -403,9 +407,8 @@ class VerifyLoop:
         slots = Slots(each=count + tables.fed_offset, rows=self.call_rows[rows],
                       width=attended_width(max(counts) + queries, self.most_slots))
         bias = self.table.gather(count.view(-1, 1, 1, 1) + tables.based_offsets[..., : slots.width])
-        # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
-        # and whether the call makes the cache
-        shape = (rows, queries, device.encoder_states.size(1), slots.width, host.batch_calls == 0)
+        # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths
+        shape = (rows, queries, device.encoder_states.size(1), slots.width)
         step = self.steps.get(shape)
         if step is None:   # looked up once per decode: the lookup costs a share of a call
             timed = started if has_fixed_shape_greedy_step(self.model, shape) else None

@@ -63,7 +63,7 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (cross_attention_mask, encode, fixed_shape_compiled,
+from decoders.backbone import (cache_made_whole, cross_attention_mask, encode, fixed_shape_compiled,
                                greedy_step_as_compiled, HeadTable, made_from_bias_weight,
                                output_logits, past_distance_bias_table, run_decoder, sizes,
                                source_at_fixed_width)
@@ -360,7 +360,8 @@ class PipelinedDecoder(Decoder):
             most_columns = self.max_new_tokens + 3 * slots
         padding_code = slots * width
         return Batch(model, self.model_step(), table, width, padding_code,
-                     cache=DecoderCache(layers, most_columns, grows=most_columns is None),
+                     cache=(DecoderCache(layers) if most_columns is None
+                            else cache_made_whole(model, encoder_states, most_columns)),
                      rows=LiveRows(batch_size, device),
                      keys=torch.full((batch_size, most_columns or 0), padding_code, device=device),
                      encoder_states=encoder_states,
@@ -432,8 +433,8 @@ class PipelinedDecoder(Decoder):
         attended = attended_width(batch.written + columns, batch.most_columns)
         written = torch.arange(batch.written, batch.written + columns, device=token.device)
         # one compiled function per shape: the rows, columns, source's and attended columns'
-        # widths, the grid's width, and whether the call makes the cache
-        shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width, batch.batch_calls == 0)
+        # widths and the grid's width
+        shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width)
         if shape not in batch.steps:   # looked up once per decode: the lookup costs a share of a call
             batch.steps[shape] = fixed_shape_compiled(batch.model, greedy_columns, shape)
         return batch.steps[shape](

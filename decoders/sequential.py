@@ -11,8 +11,8 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         they cost nothing more. The decoder blocks run through `run_decoder` with T5's causal bias
         gathered from a table made once, not through `T5Stack.forward`, whose mask building reads a
         device value back every call: one host sync per call is left, the stop check.
-        Compiled (`decoder.compile`), its calls take a few fixed shapes: a cache of up to the
-        bound's slots written at slot = step and attended in widths of ATTENDED_SLOTS_STEP slots
+        Compiled (`decoder.compile`), its calls take a few fixed shapes: a cache of the bound's
+        slots, made whole before the first call, written at slot = step and attended in widths of ATTENDED_SLOTS_STEP slots
         (those past the step hidden by the bias), the source padded to a power of two, and the
         finished rows kept in the batch (their tokens discarded) until the unfinished ones fit half
         of it, when it shrinks to the power of two that holds them; so a few graphs per batch size
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_compiled,
+from decoders.backbone import (cache_made_whole, cross_attention_mask, decoder_inputs, fixed_shape_compiled,
                                greedy_step_as_compiled, made_from_bias_weight, output_logits,
                                past_distance_bias_table, sizes, source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
@@ -126,7 +126,7 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
     cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
     steps = fixed_shape_steps(model, bound, batch_size)
-    cache = DecoderCache(sizes(model.config).layers, most_slots=bound)
+    cache = cache_made_whole(model, encoder_states, bound)
     rows = LiveRows(batch_size, device)
     end = torch.tensor(decoder.special.eos, device=device)   # a tensor: no graph per end token
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -135,9 +135,8 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     compiled = {}   # shape -> its compiled step
     for step in range(bound):
         bias, slots, positions = steps[step]
-        # one compiled function per shape: the rows, the source's and the attended slots'
-        # widths, and whether the call makes the cache
-        shape = (step_input.size(0), encoder_states.size(1), slots.width, step == 0)
+        # one compiled function per shape: the rows, the source's and the attended slots' widths
+        shape = (step_input.size(0), encoder_states.size(1), slots.width)
         if shape not in compiled:   # looked up once per decode: the lookup costs a share of a call
             compiled[shape] = fixed_shape_compiled(model, next_tokens, shape)
         step_input, produced[rows.index, step], finished = compiled[shape](

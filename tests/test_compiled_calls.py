@@ -10,6 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from decoders import available, build_decoder
+import decoders.backbone
 import decoders.base
 import decoders.drafts
 import decoders.pipelined
@@ -66,8 +67,9 @@ def test_a_compiled_decode_encodes_through_the_compiled_encoder_once_per_batch(n
         return encode(*args)
     monkeypatch.setattr(decoders.base, "compiled_encode", recording_encode)
     monkeypatch.setattr(decoders.base, "compiled_run_decoder", lambda: run_decoder)
-    for loop in (decoders.sequential, decoders.pipelined):
-        monkeypatch.setattr(loop, "fixed_shape_compiled", lambda model, function, shape: function)
+    # the loops' steps and the cache made whole for them (`cache_made_whole`)
+    for module in (decoders.sequential, decoders.pipelined, decoders.backbone):
+        monkeypatch.setattr(module, "fixed_shape_compiled", lambda model, function, shape: function)
     monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step", lambda model, shape: greedy_step)
     decoder = with_drafter(build_decoder(name, model.config, SPECIAL, compile=True,
                                          **bounded(name, 8)).eval(), model)
@@ -150,6 +152,8 @@ def decoded_recording_shapes(decoder, model, batch, monkeypatch):
         for loop in (decoders.sequential, decoders.pipelined):
             patch.setattr(loop, "fixed_shape_compiled", lambda model, function, shape: function)
             patch.setattr(loop, "greedy_step_as_compiled", recording_step)
+        # the cache made whole before the first call, eagerly
+        patch.setattr(decoders.backbone, "fixed_shape_compiled", lambda model, function, shape: function)
         return decoder.generate(model, *batch), shapes
 
 
@@ -342,6 +346,30 @@ def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_i
     out = compiled.generate(model, *batch)
     assert dict(counters["stats"]) == graphs and len(COMPILED_STEPS) == steps
     expected = eager.generate(model, *batch)
+    assert_same_output(out, expected)
+    assert out.decoder_calls == expected.decoder_calls
+
+
+@pytest.mark.slow   # compiling takes seconds
+@pytest.mark.parametrize("name", ["sequential", "blockwise", "pipelined"])
+def test_every_call_of_a_fixed_shape_loop_runs_as_a_graph_of_its_tensors(name, monkeypatch):
+    """The cache is made whole before the first call (`cache_made_whole`), so no call, the first
+    included, puts new tensors into its arguments: every step a decode compiles is a graph of
+    tensors, and Dynamo (the fallback's) compiles nothing (the encoder run eagerly here). The
+    tokens and calls are the eager decode's."""
+    model = tiny_t5(0)
+    monkeypatch.setattr(decoders.base, "compiled_encode", encode)
+
+    def decoder(compile: bool):
+        torch.manual_seed(0)
+        return build_decoder(name, model.config, SPECIAL, compile=compile, **bounded(name, 8),
+                             **always_feeding(name)).eval()
+    batch = random_batch(2, seed=1)
+    graphs, steps = dict(counters["stats"]), len(COMPILED_STEPS)
+    out = decoder(True).generate(model, *batch)
+    assert len(COMPILED_STEPS) > steps + 1   # the cache's parts and the loop's steps
+    assert dict(counters["stats"]) == graphs
+    expected = decoder(False).generate(model, *batch)
     assert_same_output(out, expected)
     assert out.decoder_calls == expected.decoder_calls
 

@@ -6,8 +6,9 @@ the adapter of the model's type; decoders never name a family. An adapter says:
 - how a distance between two output positions biases attention: T5 learns a bias per bucket of
   relative distance, shared by the stack's layers (`position_bias`); families with absolute
   positions bias nothing there and read each fed token's position instead (`absolute_positions`);
-- how its decoder layers run over a cache written at given slots (`run_layers`) and how their
-  final states become logits (`output_logits`);
+- how its decoder layers run over a cache written at given slots (`run_layers`), how each layer
+  projects the encoder's states to its cross-attention keys and values (`cross_keys_values`),
+  and how the final states become logits (`output_logits`);
 - which settings its encoder's output depends on (`encoder_settings`).
 The decoder's start token is the configuration's `decoder_start_token_id` in every family.
 """
@@ -37,6 +38,7 @@ class Family(abc.ABC):
 
     model_types: ClassVar[tuple[str, ...]] = ()   # `config.model_type`s it runs
     absolute_positions: ClassVar[bool] = False    # whether `run_layers` reads `positions`
+    caches_positions: ClassVar[bool] = False      # whether its cache keeps each key's position
     encoder_settings: ClassVar[tuple[str, ...]] = ()
     dropout_setting: ClassVar[str] = "dropout"      # the configuration's dropout probability
 
@@ -65,6 +67,24 @@ class Family(abc.ABC):
         """The decoder stack on fed tokens (B, Q) -> final hidden states (B, Q, d_model), as
         `backbone.run_decoder` describes; `attend(attention, query, key, value, added, scale)`."""
         raise NotImplementedError
+
+    @abc.abstractmethod
+    def cross_keys_values(self, model, layer: int,
+                          encoder_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer `layer`'s cross-attention keys and values of the encoder's states
+        (B, S, d_model) -> (B, heads, S, d_kv) each."""
+        raise NotImplementedError
+
+    def encoder_keys_values(self, model, layer: int, encoder_states: torch.Tensor,
+                            cache: DecoderCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cross_keys_values`, kept in the cache at a decode's first call and read after."""
+        kept = None if cache is None else cache.encoder_part(layer)
+        if kept is not None:
+            return kept
+        keys, values = self.cross_keys_values(model, layer, encoder_states)
+        if cache is not None:
+            cache.keep_encoder_part(layer, keys, values)
+        return keys, values
 
     @abc.abstractmethod
     def output_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
@@ -103,19 +123,6 @@ def heads_of(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
 def unchanged(hidden: torch.Tensor) -> torch.Tensor:
     """Dropout outside training: the states as they are."""
     return hidden
-
-
-def encoder_keys_values(cache: DecoderCache | None, layer: int,
-                        compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
-    """A decoder layer's cross-attention keys and values (B, heads, S, d_kv): kept in the cache at
-    a decode's first call and read after."""
-    kept = None if cache is None else cache.encoder_part(layer)
-    if kept is not None:
-        return kept
-    keys, values = compute()
-    if cache is not None:
-        cache.keep_encoder_part(layer, keys, values)
-    return keys, values
 
 
 def _import_families() -> None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from decoders.families import (Family, Sizes, encoder_keys_values, heads_of, register_family,
-                               unchanged)
+from decoders.families import Family, Sizes, heads_of, register_family, unchanged
 
 # The types whose layers norm before each sublayer (and the stack's output after the last).
 NORM_FIRST = ("mbart", "pegasus")
@@ -58,9 +57,7 @@ class BartFamily(Family):
             hidden = hidden if norm_first else norm(hidden)
 
             attention, norm = layer.encoder_attn, layer.encoder_attn_layer_norm
-            keys, values = encoder_keys_values(
-                cache, index, lambda: (heads_of(attention.k_proj(encoder_states), attention.head_dim),
-                                       heads_of(attention.v_proj(encoder_states), attention.head_dim)))
+            keys, values = self.encoder_keys_values(model, index, encoder_states, cache)
             normed = norm(hidden) if norm_first else hidden
             attended = attend(attention, heads_of(attention.q_proj(normed), attention.head_dim),
                               keys, values, cross_mask, attention.scaling)
@@ -76,6 +73,11 @@ class BartFamily(Family):
             hidden = hidden if norm_first else norm(hidden)
         final_norm = getattr(decoder, "layer_norm", None)
         return hidden if final_norm is None else final_norm(hidden)
+
+    def cross_keys_values(self, model, layer, encoder_states):
+        attention = model.get_decoder().layers[layer].encoder_attn
+        return (heads_of(attention.k_proj(encoder_states), attention.head_dim),
+                heads_of(attention.v_proj(encoder_states), attention.head_dim))
 
     def output_logits(self, model, hidden):
         return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from decoders.families import (Family, Sizes, encoder_keys_values, heads_of, register_family,
-                               unchanged)
+from decoders.families import Family, Sizes, heads_of, register_family, unchanged
 from decoders.transformers_internals import bias_owner, relative_position_buckets
 
 
@@ -57,9 +56,7 @@ class T5Family(Family):
             hidden = _finite(hidden + dropout(attention.o(attended)))
 
             attention = cross_attention.EncDecAttention
-            keys, values = encoder_keys_values(
-                cache, layer, lambda: (heads_of(attention.k(encoder_states), width),
-                                       heads_of(attention.v(encoder_states), width)))
+            keys, values = self.encoder_keys_values(model, layer, encoder_states, cache)
             normed = cross_attention.layer_norm(hidden)
             attended = attend(attention, heads_of(attention.q(normed), width), keys, values,
                               cross_mask, 1.0)
@@ -67,6 +64,12 @@ class T5Family(Family):
             dense = feed_forward.DenseReluDense
             hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
         return dropout(decoder.final_layer_norm(hidden))
+
+    def cross_keys_values(self, model, layer, encoder_states):
+        attention = model.decoder.block[layer].layer[1].EncDecAttention
+        width = attention.key_value_proj_dim
+        return (heads_of(attention.k(encoder_states), width),
+                heads_of(attention.v(encoder_states), width))
 
     def layer_buckets(self, model, positions, cache, slots) -> torch.Tensor | None:
         """The relative-position buckets (B, Q, keys) each layer's own bias table is read at; None
@@ -98,10 +101,17 @@ class UMT5Family(T5Family):
 
     model_types = ("umt5",)
     absolute_positions = True
+    caches_positions = True
 
     # `Family.position_bias` and `bias_embedding`: zero tables, kept with the token embedding
     position_bias = Family.position_bias
     bias_embedding = Family.bias_embedding
+
+    def cross_keys_values(self, model, layer, encoder_states):
+        attention = model.decoder.block[layer].layer[1].EncDecAttention
+        width = attention.key_value_proj_dim
+        return (heads_of(attention.k(encoder_states), width),
+                heads_of(attention.v(encoder_states), width))
 
     def layer_buckets(self, model, positions, cache, slots):
         keys = positions if cache is None else cache.write_positions(slots, positions)  # (B or 1, K)
