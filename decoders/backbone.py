@@ -192,9 +192,14 @@ def source_at_fixed_width(encoder_states: torch.Tensor,
     widths, not every source length. The cross-attention hides the added positions, so every
     token's state is what it was."""
     length = encoder_states.size(1)
-    width = max(16, power_of_two_holding(length))
+    width = fixed_source_width(length)
     return (nn.functional.pad(encoder_states, (0, 0, 0, width - length)),
             nn.functional.pad(attention_mask, (0, width - length)))
+
+
+def fixed_source_width(length: int) -> int:
+    """The width `source_at_fixed_width` pads a source of `length` positions to."""
+    return max(16, power_of_two_holding(length))
 
 
 def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -363,11 +368,15 @@ def cache_made_whole(model: PreTrainedModel, encoder_states: torch.Tensor,
                      most_slots: int) -> DecoderCache:
     """The cache of a fixed-shape decode, made whole before its first call: each layer's
     self-attention keys and values zeros at `most_slots` slots, and its cross-attention keys and
-    values of the encoder's states (B, S, d_model), computed by one function compiled for their
-    shape (`fixed_shape_compiled`). So every call of the loop, its first included, only writes
-    into tensors it is given, and runs as a graph of them (`decoders.compiled_step`)."""
-    parts = fixed_shape_compiled(model, whole_cache_parts, (*encoder_states.shape, most_slots))(
-        model, encoder_states, most_slots)
+    values of the encoder's states (B, S, d_model) as the encoder gave them, padded with zeros to
+    the loop's source width (`fixed_source_width`): the positions padded are hidden by the cross
+    mask, so they cost no projection. One function per source width and bound, through
+    torch.compile with symbolic batch and source sizes (`compiled_for`). So every call of the loop,
+    its first included, only writes into tensors it is given, and runs as a graph of them
+    (`decoders.compiled_step`)."""
+    width = fixed_source_width(encoder_states.size(1))
+    parts = compiled_for(model, whole_cache_parts, ("whole cache", width, most_slots), dynamic=True)(
+        model, encoder_states, width, most_slots)
     cache = DecoderCache(len(parts) // 4, most_slots)
     cache.keys, cache.values = list(parts[2::4]), list(parts[3::4])
     cache.encoder_keys_values = list(zip(parts[0::4], parts[1::4]))
@@ -377,16 +386,19 @@ def cache_made_whole(model: PreTrainedModel, encoder_states: torch.Tensor,
     return cache
 
 
-def whole_cache_parts(model: PreTrainedModel, encoder_states: torch.Tensor,
+def whole_cache_parts(model: PreTrainedModel, encoder_states: torch.Tensor, width: int,
                       most_slots: int) -> tuple[torch.Tensor, ...]:
     """`cache_made_whole`'s tensors, four per decoder layer: its cross-attention keys and values,
-    each (B, heads, S, d_kv), then its self-attention keys and values, each (B, heads, most_slots,
-    d_kv), zeros (an unwritten slot is hidden by the bias, but NaN garbage would survive it)."""
+    each (B, heads, width, d_kv), zeros past the source's S positions, then its self-attention
+    keys and values, each (B, heads, most_slots, d_kv), zeros (an unwritten slot is hidden by the
+    bias, but NaN garbage would survive it)."""
     family, parts = family_of(model.config), []
+    padding = (0, 0, 0, width - encoder_states.size(1))
     for layer in range(sizes(model.config).layers):
         keys, values = family.cross_keys_values(model, layer, encoder_states)
         empty = keys.new_zeros(*keys.shape[:2], most_slots, keys.size(-1))
-        parts += [keys.contiguous(), values.contiguous(), empty, empty.clone()]
+        parts += [nn.functional.pad(keys, padding), nn.functional.pad(values, padding), empty,
+                  empty.clone()]
     return tuple(parts)
 
 

@@ -337,9 +337,12 @@ class VerifyLoop:
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)  # (B, 1, 1, S)
         drafting = self.drafter.begin_drafts(
             self.model, Source(input_ids, attention_mask, encoder_states, cross_mask))
-        if self.fixed_shapes:   # the loop's own source, padded to a few widths
+        if self.fixed_shapes:   # a cache made whole, and the loop's own source padded to a few widths
+            cache = cache_made_whole(self.model, encoder_states, self.most_slots)
             encoder_states, padded_mask = source_at_fixed_width(encoder_states, attention_mask)
             cross_mask = cross_attention_mask(padded_mask, encoder_states.dtype)
+        else:
+            cache = DecoderCache(sizes(self.model.config).layers, self.most_slots)
         live = LiveRows(batch_size, device)
         produced = torch.full((batch_size, self.most_slots - 1), NOT_PRODUCED, dtype=torch.long,
                               device=device)
@@ -350,10 +353,7 @@ class VerifyLoop:
         host = OnHost(list(range(batch_size)), [0] * batch_size, drafting.first, [], [], lengths,
                       tally, DraftCounters(), drafting, 0, {}, [False] * batch_size)
         device_part = OnDevice(starts, live, live.index[:, None], live.index, encoder_states, cross_mask,
-                               cache_made_whole(self.model, encoder_states, self.most_slots)
-                               if self.fixed_shapes else
-                               DecoderCache(sizes(self.model.config).layers, self.most_slots),
-                               produced)
+                               cache, produced)
         return self.fed_next(LoopState(device_part, host), starts, drafting.first)
 
     def call(self, state: LoopState) -> Called:

@@ -351,17 +351,17 @@ class PipelinedDecoder(Decoder):
                                     length - 1))
         width = grid_width(length - 1)
         encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
-        layers, most_columns = sizes(model.config).layers, None
-        if self.compiles():   # fixed shapes: the source padded, a cache of every column a call meets
-            encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+        most_columns, cache = None, DecoderCache(sizes(model.config).layers)
+        if self.compiles():   # fixed shapes: a cache of every column a call meets, the source padded
             # before a call the cache holds the most columns an example fed (`_pack`): at most its
             # output, its empty subsequences' end tokens and a last call's tokens cut by the bound;
             # a call adds at most one per slot
             most_columns = self.max_new_tokens + 3 * slots
+            cache = cache_made_whole(model, encoder_states, most_columns)
+            encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
         padding_code = slots * width
         return Batch(model, self.model_step(), table, width, padding_code,
-                     cache=(DecoderCache(layers) if most_columns is None
-                            else cache_made_whole(model, encoder_states, most_columns)),
+                     cache=cache,
                      rows=LiveRows(batch_size, device),
                      keys=torch.full((batch_size, most_columns or 0), padding_code, device=device),
                      encoder_states=encoder_states,

@@ -123,10 +123,10 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     half the rows or fewer, which then holds them, topped up with finished rows to a power of
     two."""
     batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
+    cache = cache_made_whole(model, encoder_states, bound)   # from the source before it is padded
     encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
     cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
     steps = fixed_shape_steps(model, bound, batch_size)
-    cache = cache_made_whole(model, encoder_states, bound)
     rows = LiveRows(batch_size, device)
     end = torch.tensor(decoder.special.eos, device=device)   # a tensor: no graph per end token
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)

@@ -242,8 +242,8 @@ def test_a_compiled_measured_decode_may_be_the_sequential_decoders_fixed_shape_l
     monkeypatch.setattr(decoders.base, "compiled_encode", encode)
     monkeypatch.setattr(decoders.sequential, "fixed_shape_compiled",
                         lambda model, function, shape: shapes.append(shape) or function)
-    monkeypatch.setattr(decoders.backbone, "fixed_shape_compiled",   # the cache made whole
-                        lambda model, function, shape: function)
+    monkeypatch.setattr(decoders.backbone, "compiled_for",   # the cache made whole
+                        lambda model, function, *key, **options: function)
     monkeypatch.setattr(decoders.drafts, "fixed_shape_greedy_step",
                         lambda model, shape: verify_shapes.append(shape) or greedy_step)
     decoder = lookup(model, draft_tokens=4, max_new_tokens=16, min_acceptance=None, compile=True).eval()
