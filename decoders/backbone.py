@@ -375,8 +375,8 @@ def cache_made_whole(model: PreTrainedModel, encoder_states: torch.Tensor,
     its first included, only writes into tensors it is given, and runs as a graph of them
     (`decoders.compiled_step`)."""
     width = fixed_source_width(encoder_states.size(1))
-    parts = compiled_for(model, whole_cache_parts, ("whole cache", width, most_slots), dynamic=True)(
-        model, encoder_states, width, most_slots)
+    parts_of = compiled_for(model, whole_cache_parts, ("whole cache", width, most_slots), dynamic=True)
+    parts = parts_of(model, encoder_states, width, most_slots)
     cache = DecoderCache(len(parts) // 4, most_slots)
     cache.keys, cache.values = list(parts[2::4]), list(parts[3::4])
     cache.encoder_keys_values = list(zip(parts[0::4], parts[1::4]))

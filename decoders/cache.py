@@ -49,8 +49,8 @@ class DecoderCache:
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop
     whose rows write at their own slots: it grows by doubling up to it. A loop compiled for fixed
     shapes is given its cache made whole before its first call (`backbone.cache_made_whole`), so
-    that its calls always find one buffer shape. A family whose layers read the positions of the keys they attend
-    to (UMT5) keeps them too, (B or 1, slots) (`write_positions`)."""
+    that its calls always find one buffer shape. A family whose layers read the positions of the
+    keys they attend to (UMT5) keeps them too, (B or 1, slots) (`write_positions`)."""
 
     def __init__(self, layers: int, most_slots: int | None = None):
         self.keys: list[torch.Tensor | None] = [None] * layers

@@ -337,7 +337,7 @@ class VerifyLoop:
         cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)  # (B, 1, 1, S)
         drafting = self.drafter.begin_drafts(
             self.model, Source(input_ids, attention_mask, encoder_states, cross_mask))
-        if self.fixed_shapes:   # a cache made whole, and the loop's own source padded to a few widths
+        if self.fixed_shapes:   # a cache made whole; the loop's own source padded to a few widths
             cache = cache_made_whole(self.model, encoder_states, self.most_slots)
             encoder_states, padded_mask = source_at_fixed_width(encoder_states, attention_mask)
             cross_mask = cross_attention_mask(padded_mask, encoder_states.dtype)

@@ -352,7 +352,7 @@ class PipelinedDecoder(Decoder):
         width = grid_width(length - 1)
         encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
         most_columns, cache = None, DecoderCache(sizes(model.config).layers)
-        if self.compiles():   # fixed shapes: a cache of every column a call meets, the source padded
+        if self.compiles():   # fixed shapes: a cache of every column a call meets; the source padded
             # before a call the cache holds the most columns an example fed (`_pack`): at most its
             # output, its empty subsequences' end tokens and a last call's tokens cut by the bound;
             # a call adds at most one per slot

@@ -12,14 +12,14 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         gathered from a table made once, not through `T5Stack.forward`, whose mask building reads a
         device value back every call: one host sync per call is left, the stop check.
         Compiled (`decoder.compile`), its calls take a few fixed shapes: a cache of the bound's
-        slots, made whole before the first call, written at slot = step and attended in widths of ATTENDED_SLOTS_STEP slots
-        (those past the step hidden by the bias), the source padded to a power of two, and the
-        finished rows kept in the batch (their tokens discarded) until the unfinished ones fit half
-        of it, when it shrinks to the power of two that holds them; so a few graphs per batch size
-        and source width serve every step of every decode. Its compiled step is the whole call: the
-        decoder layers, the output head, the argmax and the loop's bookkeeping of the step (which
-        rows finished, the token each row keeps), `next_tokens` through
-        `backbone.fixed_shape_compiled`.
+        slots, made whole before the first call, written at slot = step and attended in widths of
+        ATTENDED_SLOTS_STEP slots (those past the step hidden by the bias), the source padded to a
+        power of two, and the finished rows kept in the batch (their tokens discarded) until the
+        unfinished ones fit half of it, when it shrinks to the power of two that holds them; so a
+        few graphs per batch size and source width serve every step of every decode. Its compiled
+        step is the whole call: the decoder layers, the output head, the argmax and the loop's
+        bookkeeping of the step (which rows finished, the token each row keeps), `next_tokens`
+        through `backbone.fixed_shape_compiled`.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cache_made_whole, cross_attention_mask, decoder_inputs, fixed_shape_compiled,
-                               greedy_step_as_compiled, made_from_bias_weight, output_logits,
-                               past_distance_bias_table, sizes, source_at_fixed_width)
+from decoders.backbone import (cache_made_whole, cross_attention_mask, decoder_inputs,
+                               fixed_shape_compiled, greedy_step_as_compiled, made_from_bias_weight,
+                               output_logits, past_distance_bias_table, sizes,
+                               source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
 from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output

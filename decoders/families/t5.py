@@ -107,12 +107,6 @@ class UMT5Family(T5Family):
     position_bias = Family.position_bias
     bias_embedding = Family.bias_embedding
 
-    def cross_keys_values(self, model, layer, encoder_states):
-        attention = model.decoder.block[layer].layer[1].EncDecAttention
-        width = attention.key_value_proj_dim
-        return (heads_of(attention.k(encoder_states), width),
-                heads_of(attention.v(encoder_states), width))
-
     def layer_buckets(self, model, positions, cache, slots):
         keys = positions if cache is None else cache.write_positions(slots, positions)  # (B or 1, K)
         # the decoder's buckets: a key after its query (a relative position > 0) is bucket 0
