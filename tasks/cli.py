@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +30,29 @@ def command_line(module: str, argv: list[str] | None) -> str:
     """The command a result was made by: `python -m MODULE` and its arguments, each quoted where
     a shell would read it otherwise (`"aggressive(redraft=outgrown)=S"`), so it runs as written."""
     return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
+# Names the commit of a copy of the source made without its git history (copied to a machine that
+# has no git, say), for the results made there (`source_commit`).
+COMMIT_VARIABLE = "PIPEDEC_COMMIT"
+
+
+def source_commit(root: Path = Path(__file__).resolve().parents[1]) -> str | None:
+    """The commit of the library's source (at `root`) that a result was made with: git's HEAD,
+    marked "+changes" where tracked files differ from it; for a copy of the source without its
+    git history, the environment's PIPEDEC_COMMIT; None where neither says."""
+    root = root.resolve()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:   # the checkout's own history only, not that of a repository the copy lies inside
+        if Path(git("rev-parse", "--show-toplevel")).resolve() == root:
+            changed = git("status", "--porcelain", "--untracked-files=no")
+            return git("rev-parse", "HEAD") + ("+changes" if changed else "")
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return os.environ.get(COMMIT_VARIABLE) or None
 
 
 def write_report(out: str | Path, result: dict, table: str) -> Path:

@@ -17,7 +17,7 @@ from tasks.comparison import report
 from tasks.comparison.measure import interleaved_passes
 from tasks.comparison.result import counter_figures
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
-from tasks.cli import command_line
+from tasks.cli import COMMIT_VARIABLE, command_line, source_commit
 from tasks.config import ConfigError, compose
 from tasks.module import Evaluation
 from tasks.runs.tracking import ExceptionWatcher, open_tracking, run_status
@@ -157,6 +157,40 @@ def test_timed_rows_take_turns_on_each_batch_in_a_shuffled_order():
     assert [[(k, i) for k, i, _ in run] for run in results["b"]] == [[("b", i) for i in range(12)]] * 2
 
 
+@pytest.mark.slow
+def test_the_fits_table_reads_each_fits_store_as_the_gpu_script_lays_them_out(tmp_path):
+    """tasks.bench.gpu_fits: one row per RUNS/TASK/DECODER store, scored as the fit logged it, the
+    script's order of decoders, and a store whose fit did not finish named without scores."""
+    from tasks import fit
+    from tasks.bench import gpu_fits
+    runs = tmp_path / "runs"
+    fitted = {}
+    for decoder in ("pipelined", "sequential"):
+        home = runs / "keyphrase" / decoder
+        fitted[decoder] = fit.main(["--decoder", decoder, *TINY, *tracking(home)])
+    (runs / "keyphrase" / "sequential" / "fit_seconds").write_text("12\n")
+    MlflowClient(f"sqlite:///{runs}/keyphrase/nar/mlflow.db").create_run(
+        MlflowClient(f"sqlite:///{runs}/keyphrase/nar/mlflow.db").create_experiment("keyphrase"))
+    out = tmp_path / "fits.json"
+    result = gpu_fits.main([str(runs), "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [(r["task"], r["decoder"]) for r in result["rows"]] == [
+        ("keyphrase", "sequential"), ("keyphrase", "pipelined"), ("keyphrase", "nar")]
+    sequential, pipelined, nar = result["rows"]
+    assert sequential["fit_wall_seconds"] == 12 and pipelined["fit_wall_seconds"] is None
+    for row in (sequential, pipelined):
+        assert row["mlflow_run_id"] == fitted[row["decoder"]]["run_id"]
+        assert row["test_scores"]["present_f1_at_M"] == pytest.approx(
+            fitted[row["decoder"]]["scores"]["present_f1_at_M"])
+    assert nar["mlflow_run_id"] is None
+    table = out.with_suffix(".md").read_text()
+    assert "Not finished (no scores): keyphrase nar" in table
+    assert f"| keyphrase | sequential | {sequential['parameters']['model.d_model']}," in table
+    assert result["commit"] == source_commit() and "not GPU figures" in table
+    with pytest.raises(ConfigError, match="no fit's tracking store"):
+        gpu_fits.main([str(tmp_path / "empty")])
+
+
 def test_a_recorded_command_runs_as_written():
     """Arguments a shell would read otherwise are quoted in the command a result records."""
     argv = ["--ckpt", "aggressive(redraft=outgrown)=runs/S.ckpt", "model.position_heads.encoder=[-1,1]",
@@ -164,6 +198,20 @@ def test_a_recorded_command_runs_as_written():
     recorded = command_line("tasks.bench.gpu_benchmark", argv)
     assert recorded.startswith("python -m tasks.bench.gpu_benchmark --ckpt 'aggressive(")
     assert shlex.split(recorded) == ["python", "-m", "tasks.bench.gpu_benchmark", *argv]
+
+
+def test_a_result_names_the_commit_of_the_source_it_was_made_with(tmp_path, monkeypatch):
+    import subprocess
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                              "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    assert source_commit() == head + ("+changes" if changed else "")
+    # a copy without its git history: the commit its maker named, else none
+    monkeypatch.setenv(COMMIT_VARIABLE, "0123abc")
+    assert source_commit(tmp_path) == "0123abc" and source_commit() == head + ("+changes" if changed else "")
+    monkeypatch.delenv(COMMIT_VARIABLE)
+    assert source_commit(tmp_path) is None
 
 
 def test_decoder_specific_override_goes_to_its_decoder_only():
@@ -218,6 +266,9 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "not GPU figures" in table and ", 1 thread(s)," in table   # --threads' default
     assert "passes, decoder steps eager;" in table and not any(r["options"]["compile"] for r in result["rows"])
+    # the commit of the source it ran, in the file and its caption
+    assert result["commit"] == source_commit() and result["commit"]
+    assert f", commit {result['commit']}," in table
     assert result["threads"] == torch.get_num_threads() == 1
     assert f"sequential's tokens {'equal' if identical else 'DIFFER FROM'}" in table
     assert identical or f"in {differing[4]} examples at batch size 4" in table

@@ -16,18 +16,31 @@
 #   tasks/bench/run_gpu_benchmarks.sh peers TASK   # the second half: peers alone
 #   tasks/bench/run_gpu_benchmarks.sh builtin TASK...  # fit every TASK at once (the fits share the
 #                                                  # device), then bench each alone
+#   tasks/bench/run_gpu_benchmarks.sh all [SECONDS]  # the whole comparison in one command, within
+#                                                  # SECONDS (default 540): `python -m pytest -m cuda`
+#                                                  # beside the fits of every built-in task at once,
+#                                                  # at the shorter budgets of `all_budget`; the fits'
+#                                                  # table (tasks.bench.gpu_fits); then each benchmark
+#                                                  # alone, every task in turn: decode and peers in
+#                                                  # fp32, then both in bf16, each under the time
+#                                                  # left (one with less than $LEAST seconds left,
+#                                                  # default 20, is skipped and named so)
 #
 # Checkpoints and MLflow runs go under $RUNS (default mlruns/gpu), one store per fit, beside its log
-# (fit.log) and its wall-clock seconds (fit_seconds); the timings
-# run one at a time, with nothing else on the device, on the first $EXAMPLES test examples
-# (default 64; batch size 1 on the first $SINGLE of them, default 16), the median of 3 interleaved
-# passes, in each precision of $PRECISIONS (default "fp32 bf16"). $FIT_OVERRIDES (key=value ...) is added to
-# every fit (a quick check of the script: a smaller model and budget).
+# (fit.log) and its wall-clock seconds (fit_seconds); the tables go to $RESULTS (default
+# results/gpu). The timings run one at a time, with nothing else on the device, on the first
+# $EXAMPLES test examples (default 64; batch size 1 on the first $SINGLE of them, default 16; `all`:
+# 8), the median of $REPEATS interleaved passes (default 3), in each precision of $PRECISIONS
+# (default "fp32 bf16"). $FIT_OVERRIDES (key=value ...) is added to every fit (a quick check of the
+# script: a smaller model and budget).
 set -euo pipefail
 RUNS=${RUNS:-mlruns/gpu}
+RESULTS=${RESULTS:-results/gpu}
 EXAMPLES=${EXAMPLES:-64}
-SINGLE=${SINGLE:-16}
+SINGLE=${SINGLE:-}   # default 16; `all`: 8
+REPEATS=${REPEATS:-3}
 PRECISIONS=${PRECISIONS:-fp32 bf16}
+LEAST=${LEAST:-20}
 # peers' optional rows: compiled sequential and pipelined, CTranslate2 (needs pip install -e ".[bench]")
 PEERS_ROWS=${PEERS_ROWS:---compiled --ctranslate2}
 # t5-small's shape (Raffel et al.), from random weights, with the library's locally trained tokenizer
@@ -68,13 +81,13 @@ checkpoints() {  # TASK: the sequential, pipelined, blockwise and nar checkpoint
 decode_task() {  # gpu_benchmark in each precision; all run, and it fails at the end if either did
     local task=$1 s p b n precision failed=0
     read -r s p b n <<< "$(checkpoints "$task" | tr '\n' ' ')"
-    mkdir -p results/gpu
+    mkdir -p "$RESULTS"
     for precision in $PRECISIONS; do
-        python -m tasks.bench.gpu_benchmark --ckpt sequential="$s" --ckpt pipelined="$p" \
+        ${LIMIT:-} python -m tasks.bench.gpu_benchmark --ckpt sequential="$s" --ckpt pipelined="$p" \
             --ckpt blockwise="$b" --ckpt nar="$n" --ckpt lookup="$s" --ckpt aggressive="$s" \
-            --drafter "$n" --batch-sizes 1,64 --precision $precision --repeats 3 \
-            --examples "$EXAMPLES" --single-examples "$SINGLE" \
-            --out "results/gpu/builtin_${task}_$precision.json" || failed=1
+            --drafter "$n" --batch-sizes 1,64 --precision $precision --repeats "$REPEATS" \
+            --examples "$EXAMPLES" --single-examples "${SINGLE:-16}" \
+            --out "$RESULTS/builtin_${task}_$precision.json" || failed=1
     done
     return $failed
 }
@@ -82,12 +95,12 @@ decode_task() {  # gpu_benchmark in each precision; all run, and it fails at the
 peers_task() {  # tasks.bench.peers in each precision, likewise
     local task=$1 s p b n precision failed=0
     read -r s p b n <<< "$(checkpoints "$task" | tr '\n' ' ')"
-    mkdir -p results/gpu
+    mkdir -p "$RESULTS"
     for precision in $PRECISIONS; do
-        python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --pipelined "$p" $PEERS_ROWS \
-            --batch-size 64 --precision $precision --repeats 3 --examples "$EXAMPLES" \
-            --single-examples "$SINGLE" \
-            --out "results/gpu/peers_${task}_$precision.json" || failed=1
+        ${LIMIT:-} python -m tasks.bench.peers --ckpt "$s" --blockwise "$b" --pipelined "$p" $PEERS_ROWS \
+            --batch-size 64 --precision $precision --repeats "$REPEATS" --examples "$EXAMPLES" \
+            --single-examples "${SINGLE:-16}" \
+            --out "$RESULTS/peers_${task}_$precision${PEERS_NAMED:-}.json" || failed=1
     done
     return $failed
 }
@@ -96,6 +109,56 @@ bench_task() {  # both halves; both run, and it fails at the end if either did
     local failed=0
     decode_task "$1" || failed=1
     peers_task "$1" || failed=1
+    return $failed
+}
+
+TASKS="keyphrase summarization qa"
+
+all_budget() {  # TASK: its fits' budget in `all`, shorter than the defaults so that every fit and
+                # benchmark runs within `all`'s time (QA's best validation score came after its
+                # first epoch at the defaults on an H200: results/gpu/fits_h200.md)
+    case $1 in
+        qa) echo "trainer.max_epochs=1" ;;
+        *) echo "trainer.max_epochs=4" ;;
+    esac
+}
+
+all_tasks() {  # [SECONDS]: see the top of this file
+    local deadline=$((SECONDS + ${1:-540})) engine="" task tests pid pids=() failed=0
+    local steps=() step kind precision left
+    SINGLE=${SINGLE:-8}
+    if python -c "import ctranslate2" 2> /dev/null; then engine=--ctranslate2
+    else echo "ctranslate2 is not installed: the peers tables have no CTranslate2 rows"; fi
+    mkdir -p "$RUNS" "$RESULTS"
+    python -m pytest -q -m cuda -p no:cacheprovider > "$RUNS/cuda_tests.log" 2>&1 & tests=$!
+    for task in $TASKS; do
+        FIT_OVERRIDES="$(all_budget $task) ${FIT_OVERRIDES:-}" fit_task "$task" & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    wait $tests || { echo "the cuda tests failed: $RUNS/cuda_tests.log"; failed=1; }
+    tail -n 1 "$RUNS/cuda_tests.log"
+    python -m tasks.bench.gpu_fits "$RUNS" --out "$RESULTS/fits.json" || failed=1
+    for precision in fp32 bf16; do
+        for kind in decode peers; do
+            for task in $TASKS; do steps+=("$kind $task $precision"); done
+        done
+    done
+    # last, where time is left: the compiled steps beside the eager ones (compiling each shape
+    # takes seconds), on keyphrase in fp32
+    steps+=("compiled keyphrase fp32")
+    for step in "${steps[@]}"; do
+        read -r kind task precision <<< "$step"
+        left=$((deadline - SECONDS))
+        if ((left < LEAST)); then
+            echo "skipped, out of time: $step"; failed=1; continue
+        fi
+        case $kind in
+            decode) PRECISIONS=$precision LIMIT="timeout $left" decode_task "$task" ;;
+            peers) PRECISIONS=$precision PEERS_ROWS=$engine LIMIT="timeout $left" peers_task "$task" ;;
+            compiled) PRECISIONS=$precision PEERS_ROWS="--compiled $engine" PEERS_NAMED=_compiled \
+                          LIMIT="timeout $left" peers_task "$task" ;;
+        esac || failed=1
+    done
     return $failed
 }
 
@@ -110,5 +173,6 @@ case "${1:-}" in
         for task in "$@"; do fit_task "$task" & pids+=($!); done
         wait "${pids[@]}"
         for task in "$@"; do bench_task "$task"; done ;;
-    *) sed -n '2,24p' "$0"; exit 2 ;;
+    all) all_tasks "${2:-}" ;;
+    *) sed -n '2,39p' "$0"; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ bf16 autocast.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import tempfile
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output, through_end
+from tasks.cli import source_commit
 from tasks.comparison.measure import PeakMemory, interleaved_passes
 from tasks.config import ConfigError
 
@@ -30,23 +32,25 @@ CPU_NOTE = ("no CUDA device: timed on the CPU with the host clock (denormals flu
 
 
 def timing_conditions(device: torch.device, threads: int) -> dict:
-    """What a result timed on `device` records of it: its name, the torch and CUDA versions, and
-    on a CPU the torch threads it runs with (set here to `threads`) and the note that the figures
-    are not GPU figures."""
+    """What a result timed on `device` records of it: its name, the torch and CUDA versions, the
+    library's commit (`source_commit`), and on a CPU the torch threads it runs with (set here to
+    `threads`) and the note that the figures are not GPU figures."""
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(threads)
     return {"device": torch.cuda.get_device_name(device) if cuda else device.type,
             "note": "" if cuda else CPU_NOTE, "torch": torch.__version__,
-            "cuda": torch.version.cuda if cuda else None, "threads": None if cuda else threads}
+            "cuda": torch.version.cuda if cuda else None, "threads": None if cuda else threads,
+            "commit": source_commit()}
 
 
 def conditions_caption(conditions: dict) -> str:
-    """The start of a timed table's caption: the device, the torch version, and the CUDA version
-    or the CPU threads."""
+    """The start of a timed table's caption: the device, the torch version, the CUDA version or
+    the CPU threads, and the library's commit where known."""
     return (f"{conditions['device']}, torch {conditions['torch']}"
             + (f", CUDA {conditions['cuda']}" if conditions["cuda"]
-               else f", {conditions['threads']} thread(s)"))
+               else f", {conditions['threads']} thread(s)")
+            + (f", commit {conditions['commit']}" if conditions.get("commit") else ""))
 
 
 def timed(decoder, model, batch: dict, device: torch.device, precision: str):
@@ -74,6 +78,13 @@ PLAIN_GREEDY = {"do_sample": False, "num_beams": 1, "forced_bos_token_id": None,
                 "begin_suppress_tokens": None}
 
 
+def cache_argument(model) -> str:
+    """The name under which the model's `forward`, and so `generate`, takes a cache: `cache` in
+    the later transformers 5 releases, `past_key_values` in the earlier ones (pyproject admits
+    both)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TransformersGenerate:
     """transformers' own greedy `generate` as a decoder, with the flat output of a sequential
     decoder bounded at `max_new_tokens`; with `prompt_lookup_num_tokens`, its prompt-lookup
@@ -93,9 +104,9 @@ class TransformersGenerate:
         try:
             # an empty cache of its own: the one `generate` makes has a layer per encoder layer
             # (`num_layers`), and fails on a decoder deeper than its encoder (`num_decoder_layers`)
+            cache = {cache_argument(model): EncoderDecoderCache(DynamicCache(), DynamicCache())}
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 max_new_tokens=self.max_new_tokens, **PLAIN_GREEDY,
-                                 cache=EncoderDecoderCache(DynamicCache(), DynamicCache()), **lookup)
+                                 max_new_tokens=self.max_new_tokens, **PLAIN_GREEDY, **cache, **lookup)
         finally:
             counting.remove()
         # what follows an end token is padding
