@@ -19,8 +19,10 @@
 #   tasks/bench/run_gpu_benchmarks.sh all [SECONDS]  # the whole comparison in one command, within
 #                                                  # SECONDS (default 540): `python -m pytest -m cuda`
 #                                                  # beside the fits of every built-in task at once,
-#                                                  # at the shorter budgets of `all_budget`; the fits'
-#                                                  # table (tasks.bench.gpu_fits); then each benchmark
+#                                                  # at the shorter budgets of `all_budget`, both
+#                                                  # stopped at $FIT_SHARE percent of SECONDS (default
+#                                                  # 45); the fits' table (tasks.bench.gpu_fits); then
+#                                                  # each benchmark
 #                                                  # alone, every task in turn: decode and peers in
 #                                                  # fp32, then both in bf16, each under the time
 #                                                  # left (one with less than $LEAST seconds left,
@@ -48,12 +50,17 @@ SMALL="model.d_model=512 model.d_ff=2048 model.d_kv=64 model.num_heads=8 model.n
        model.num_decoder_layers=6 model.lr=${LR:-5e-4}"
 QUIET="trainer.enable_progress_bar=false eval.batch_size=64"
 
+limited_until() {  # [DEADLINE]: the command prefix that stops a command at $SECONDS = DEADLINE
+                   # (`timeout`, which stops its whole process group); none without a deadline
+    if [[ -n ${1:-} ]]; then echo "timeout -k 10 $(($1 - SECONDS > 1 ? $1 - SECONDS : 1))"; fi
+}
+
 fit_one() {  # TASK DECODER [key=value ...]: one fit into its own store under $RUNS/TASK/DECODER
     local task=$1 decoder=$2; shift 2
     local home="$RUNS/$task/$decoder"
     mkdir -p "$home"
     local started=$SECONDS
-    python -m tasks.fit --task "$task" --decoder "$decoder" $SMALL $QUIET ${FIT_OVERRIDES:-} \
+    $(limited_until "${FITS_UNTIL:-}") python -m tasks.fit --task "$task" --decoder "$decoder" $SMALL $QUIET ${FIT_OVERRIDES:-} \
         tracking.uri="sqlite:///$home/mlflow.db" tracking.artifact_location="$home/artifacts" \
         data.tokenizer_cache="$home/tokenizer" "$@" > "$home/fit.log" 2>&1
     echo $((SECONDS - started)) > "$home/fit_seconds"
@@ -127,15 +134,18 @@ all_tasks() {  # [SECONDS]: see the top of this file
     local deadline=$((SECONDS + ${1:-540})) engine="" task tests pid pids=() failed=0
     local steps=() step kind precision left
     SINGLE=${SINGLE:-8}
+    # the fits and the tests beside them stop at their share of the time, the benchmarks at the end
+    FITS_UNTIL=$((SECONDS + ${1:-540} * ${FIT_SHARE:-45} / 100))
     if python -c "import ctranslate2" 2> /dev/null; then engine=--ctranslate2
     else echo "ctranslate2 is not installed: the peers tables have no CTranslate2 rows"; fi
     mkdir -p "$RUNS" "$RESULTS"
-    python -m pytest -q -m cuda -p no:cacheprovider > "$RUNS/cuda_tests.log" 2>&1 & tests=$!
+    $(limited_until $FITS_UNTIL) python -m pytest -q -m cuda -p no:cacheprovider \
+        > "$RUNS/cuda_tests.log" 2>&1 & tests=$!
     for task in $TASKS; do
         FIT_OVERRIDES="$(all_budget $task) ${FIT_OVERRIDES:-}" fit_task "$task" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-    wait $tests || { echo "the cuda tests failed: $RUNS/cuda_tests.log"; failed=1; }
+    wait $tests || { echo "the cuda tests failed or ran out of time: $RUNS/cuda_tests.log"; failed=1; }
     tail -n 1 "$RUNS/cuda_tests.log"
     python -m tasks.bench.gpu_fits "$RUNS" --out "$RESULTS/fits.json" || failed=1
     for precision in fp32 bf16; do
@@ -153,10 +163,11 @@ all_tasks() {  # [SECONDS]: see the top of this file
             echo "skipped, out of time: $step"; failed=1; continue
         fi
         case $kind in
-            decode) PRECISIONS=$precision LIMIT="timeout $left" decode_task "$task" ;;
-            peers) PRECISIONS=$precision PEERS_ROWS=$engine LIMIT="timeout $left" peers_task "$task" ;;
+            decode) PRECISIONS=$precision LIMIT=$(limited_until $deadline) decode_task "$task" ;;
+            peers) PRECISIONS=$precision PEERS_ROWS=$engine LIMIT=$(limited_until $deadline) \
+                       peers_task "$task" ;;
             compiled) PRECISIONS=$precision PEERS_ROWS="--compiled $engine" PEERS_NAMED=_compiled \
-                          LIMIT="timeout $left" peers_task "$task" ;;
+                          LIMIT=$(limited_until $deadline) peers_task "$task" ;;
         esac || failed=1
     done
     return $failed
