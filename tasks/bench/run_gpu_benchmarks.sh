@@ -144,9 +144,10 @@ all_tasks() {  # [SECONDS]: see the top of this file
     for task in $TASKS; do
         FIT_OVERRIDES="$(all_budget $task) ${FIT_OVERRIDES:-}" fit_task "$task" & pids+=($!)
     done
+    echo "[${SECONDS}s] fitting every task, the cuda tests beside the fits"
     for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
     wait $tests || { echo "the cuda tests failed or ran out of time: $RUNS/cuda_tests.log"; failed=1; }
-    tail -n 1 "$RUNS/cuda_tests.log"
+    echo "[${SECONDS}s] fits and tests done: $(tail -n 1 "$RUNS/cuda_tests.log")"
     python -m tasks.bench.gpu_fits "$RUNS" --out "$RESULTS/fits.json" || failed=1
     for precision in fp32 bf16; do
         for kind in decode peers; do
@@ -162,6 +163,7 @@ all_tasks() {  # [SECONDS]: see the top of this file
         if ((left < LEAST)); then
             echo "skipped, out of time: $step"; failed=1; continue
         fi
+        echo "[${SECONDS}s] $step"
         case $kind in
             decode) PRECISIONS=$precision LIMIT=$(limited_until $deadline) decode_task "$task" ;;
             peers) PRECISIONS=$precision PEERS_ROWS=$engine LIMIT=$(limited_until $deadline) \
@@ -170,6 +172,7 @@ all_tasks() {  # [SECONDS]: see the top of this file
                           LIMIT=$(limited_until $deadline) peers_task "$task" ;;
         esac || failed=1
     done
+    echo "[${SECONDS}s] done"
     return $failed
 }
 
