@@ -26,7 +26,8 @@ from tasks.comparison.plan import training_key
 from tasks.config import ConfigError, compose
 from tests.conftest import (ALWAYS_FEED, SPECIAL, always_feeding, assert_same_output, first_batch_where, random_batch,
                             tiny_t5)
-from tests.families import family_batch, family_special, tiny_family_model
+from decoders.families import family_of
+from tests.families import FAMILY_TYPES, family_batch, family_special, tiny_family_model
 
 pytestmark = pytest.mark.float64
 
@@ -112,6 +113,45 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
     eager, compiled = decoded(False, *batch), decoded(True, *batch)
     assert compiled.subsequences == eager.subsequences
     assert compiled.decoder_calls == eager.decoder_calls
+
+
+@pytest.mark.parametrize("model_type, implementation",
+                         [(model_type, implementation) for model_type in ("t5", *FAMILY_TYPES)
+                          for implementation in ("eager", "sdpa")
+                          if (model_type, implementation) != ("longt5", "sdpa")])  # LongT5: eager only
+def test_an_encoder_on_the_real_tokens_gives_each_real_token_the_models_state(model_type,
+                                                                              implementation):
+    """Where a family runs the encoder itself (T5, mT5, UMT5), its position-wise layers on the
+    real tokens alone, every real token's state is the model's own encoder's (float64, eager), the
+    padding's are zeros, and the compiled encoder takes that path; elsewhere (LongT5, BART's
+    kin) the compiled encoder runs the model's encoder."""
+    model = (tiny_t5(0) if model_type == "t5"
+             else tiny_family_model(model_type, implementation=implementation))
+    if model_type == "t5":
+        model.config._attn_implementation = implementation
+    input_ids, attention_mask = (random_batch(5, seed=3) if model_type == "t5"
+                                 else family_batch(model_type, 5, seed=3))
+    assert attention_mask.min() == 0   # sources of several lengths: padding to leave out
+    family = family_of(model.config)
+    runs_its_own = family.encodes_real_tokens(model.config)
+    assert runs_its_own == (model_type in ("t5", "umt5"))
+    real = attention_mask.flatten().nonzero().squeeze(1)
+    called = []
+
+    def recording(function):
+        called.append(function.__name__)
+        return function
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        expected = encode(model, input_ids, attention_mask)
+        if runs_its_own:
+            states = decoders.backbone.encode_real_tokens(model, input_ids, attention_mask, real)
+            padding = ~attention_mask.bool()
+            torch.testing.assert_close(states[~padding], expected[~padding], rtol=0, atol=1e-12)
+            assert states[padding].abs().max() == 0
+        patch.setattr(decoders.backbone, "compiled_for",
+                      lambda model, function, *key, **options: recording(function))
+        compiled_encode(model, input_ids, attention_mask)
+    assert called == ["encode_real_tokens" if runs_its_own else "encode"]
 
 
 def model_of(model_type: str):

@@ -75,6 +75,18 @@ class Family(abc.ABC):
         (B, S, d_model) -> (B, heads, S, d_kv) each."""
         raise NotImplementedError
 
+    def encodes_real_tokens(self, config) -> bool:
+        """Whether `run_encoder` runs this model's encoder."""
+        return False
+
+    def run_encoder(self, model, input_ids: torch.Tensor, padding_mask: torch.Tensor,
+                    real: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """The encoder stack on sources (B, S) -> its states (B, S, d_model), zeros at the padding,
+        its position-wise layers (norms, projections, feed-forward) run on the real tokens alone:
+        `real` (N,) their flat positions in (B * S), `padding_mask` (B, 1, 1, S) the additive mask
+        of the padding; `attend` as in `run_layers`. Where `encodes_real_tokens`."""
+        raise NotImplementedError(f"{type(self).__name__} runs no encoder of its own")
+
     def encoder_keys_values(self, model, layer: int, encoder_states: torch.Tensor,
                             cache: DecoderCache | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`cross_keys_values`, kept in the cache at a decode's first call and read after."""
@@ -113,6 +125,14 @@ def family_of(config) -> Family:
         raise ValueError(f"the decoders do not run {config.model_type!r} models; they run these "
                          f"model types: {', '.join(FAMILIES)}")
     return family
+
+
+def heads_at_positions(states: torch.Tensor, real: torch.Tensor, batch: int, length: int,
+                       head_dim: int) -> torch.Tensor:
+    """The projections of a batch's real tokens (N, heads * head_dim), at their flat positions
+    `real` (N,) of (batch * length), -> (batch, heads, length, head_dim), zeros at the padding."""
+    padded = states.new_zeros(batch * length, states.size(-1)).index_copy(0, real, states)
+    return heads_of(padded.view(batch, length, -1), head_dim)
 
 
 def heads_of(projected: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from decoders.families import Family, Sizes, heads_of, register_family, unchanged
+from decoders.families import (Family, Sizes, heads_at_positions, heads_of, register_family,
+                               unchanged)
 from decoders.transformers_internals import bias_owner, relative_position_buckets
 
 
@@ -64,6 +65,34 @@ class T5Family(Family):
             dense = feed_forward.DenseReluDense
             hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
         return dropout(decoder.final_layer_norm(hidden))
+
+    def encodes_real_tokens(self, config):
+        return config.model_type != "longt5"   # LongT5's encoder attends locally, in blocks
+
+    def run_encoder(self, model, input_ids, padding_mask, real, attend):
+        # the same operations as `T5Stack.forward` in the encoder, in the same order; the states
+        # of the real tokens alone (N, d_model) between the attentions
+        encoder = model.encoder
+        batch, length = input_ids.shape
+        dropout = encoder.dropout if encoder.training else unchanged
+        hidden = dropout(encoder.embed_tokens(input_ids.flatten()[real]))
+        bias = None
+        for block in encoder.block:
+            self_attention, feed_forward = block.layer[0], block.layer[-1]
+            attention = self_attention.SelfAttention
+            width = attention.key_value_proj_dim
+            if bias is None or attention.has_relative_attention_bias:   # T5: layer 0's; UMT5: each
+                bias = attention.compute_bias(length, length) + padding_mask   # (B, heads, S, S)
+            normed = self_attention.layer_norm(hidden)
+            query, keys, values = (heads_at_positions(projection(normed), real, batch, length, width)
+                                   for projection in (attention.q, attention.k, attention.v))
+            attended = attend(attention, query, keys, values, bias, 1.0).flatten(0, 1)[real]
+            hidden = _finite(hidden + dropout(attention.o(attended)))
+            dense = feed_forward.DenseReluDense
+            hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
+        hidden = dropout(encoder.final_layer_norm(hidden))
+        return hidden.new_zeros(batch * length, hidden.size(-1)).index_copy(0, real, hidden).view(
+            batch, length, -1)
 
     def cross_keys_values(self, model, layer, encoder_states):
         attention = model.decoder.block[layer].layer[1].EncDecAttention
