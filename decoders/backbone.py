@@ -431,13 +431,13 @@ def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
 
 def encode_real_tokens(model: PreTrainedModel, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The encoder's states (B, S, d_model) as the family runs them (`Family.run_encoder`): its
-    norms, projections and feed-forward layers on the batch's real tokens alone, `real` (N,) their
-    flat positions in (B * S), the attention on the padded batch; zeros at the padding. A batch
-    of sources of different lengths is mostly padding's work otherwise (about 3 in 10 positions
-    at batch size 16 on the built-in tasks). On a CPU the attention runs as plain products and a
-    softmax, as a compiled step's does, and elsewhere as the model's own implementation runs it
-    where the library runs that one (STRUCTURED_ATTENTION)."""
+    """The encoder's states (B, S, d_model) as the family runs them
+    (`families.Family.run_encoder`): its norms, projections and feed-forward layers on the
+    batch's real tokens alone, `real` (N,) their flat positions in (B * S), the attention on the
+    padded batch; zeros at the padding, whose positions are otherwise a share of every
+    position-wise layer's work (about 3 in 10 at batch size 16 on the built-in tasks). On a CPU
+    the attention runs as plain products and a softmax, as a compiled step's does; elsewhere as
+    the model's own implementation, where the library runs that one (STRUCTURED_ATTENTION)."""
     attention = attention_implementation(model.config)
     if input_ids.device.type == "cpu" or attention not in _ATTEND:
         attention = "eager"
