@@ -22,11 +22,11 @@
 #                                                  # at the shorter budgets of `all_budget`, both
 #                                                  # stopped at $FIT_SHARE percent of SECONDS (default
 #                                                  # 45); the fits' table (tasks.bench.gpu_fits); then
-#                                                  # each benchmark
-#                                                  # alone, every task in turn: decode and peers in
-#                                                  # fp32, then both in bf16, each under the time
-#                                                  # left (one with less than $LEAST seconds left,
-#                                                  # default 20, is skipped and named so)
+#                                                  # each benchmark alone, every task in turn: decode
+#                                                  # and peers in fp32, then both in bf16, then peers
+#                                                  # with the compiled steps on keyphrase, each under
+#                                                  # the time left (one with less than $LEAST seconds
+#                                                  # left, default 20, is skipped and named so)
 #
 # Checkpoints and MLflow runs go under $RUNS (default mlruns/gpu), one store per fit, beside its log
 # (fit.log) and its wall-clock seconds (fit_seconds); the tables go to $RESULTS (default
@@ -188,5 +188,5 @@ case "${1:-}" in
         wait "${pids[@]}"
         for task in "$@"; do bench_task "$task"; done ;;
     all) all_tasks "${2:-}" ;;
-    *) sed -n '2,39p' "$0"; exit 2 ;;
+    *) sed -n '2,37p' "$0"; exit 2 ;;
 esac
