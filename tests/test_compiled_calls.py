@@ -20,13 +20,14 @@ from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_ru
 from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
+from decoders.families import family_of
 from decoders.sequential import rows_past_bucket
+from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
 from tasks.config import ConfigError, compose
 from tests.conftest import (ALWAYS_FEED, SPECIAL, always_feeding, assert_same_output, first_batch_where, random_batch,
                             tiny_t5)
-from decoders.families import family_of
 from tests.families import FAMILY_TYPES, family_batch, family_special, tiny_family_model
 
 pytestmark = pytest.mark.float64
@@ -121,20 +122,20 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
                           if (model_type, implementation) != ("longt5", "sdpa")])  # LongT5: eager only
 def test_an_encoder_on_the_real_tokens_gives_each_real_token_the_models_state(model_type,
                                                                               implementation):
-    """Where a family runs the encoder itself (T5, mT5, UMT5), its position-wise layers on the
-    real tokens alone, every real token's state is the model's own encoder's (float64, eager), the
-    padding's are zeros, and the compiled encoder takes that path; elsewhere (LongT5, BART's
-    kin) the compiled encoder runs the model's encoder."""
+    """Where a family runs the encoder itself (every one but LongT5's), its position-wise layers on
+    the real tokens alone, every real token's state is the model's own encoder's (float64, eager),
+    the padding's are zeros, and the compiled encoder takes that path; for LongT5 it runs the
+    model's encoder."""
     model = (tiny_t5(0) if model_type == "t5"
              else tiny_family_model(model_type, implementation=implementation))
     if model_type == "t5":
-        model.config._attn_implementation = implementation
+        set_attention_implementation(model.config, implementation)
     input_ids, attention_mask = (random_batch(5, seed=3) if model_type == "t5"
                                  else family_batch(model_type, 5, seed=3))
     assert attention_mask.min() == 0   # sources of several lengths: padding to leave out
     family = family_of(model.config)
     runs_its_own = family.encodes_real_tokens(model.config)
-    assert runs_its_own == (model_type in ("t5", "umt5"))
+    assert runs_its_own == (model_type != "longt5")
     real = attention_mask.flatten().nonzero().squeeze(1)
     called = []
 

@@ -9,7 +9,9 @@ the adapter of the model's type; decoders never name a family. An adapter says:
 - how its decoder layers run over a cache written at given slots (`run_layers`), how each layer
   projects the encoder's states to its cross-attention keys and values (`cross_keys_values`),
   and how the final states become logits (`output_logits`);
-- which settings its encoder's output depends on (`encoder_settings`).
+- which settings its encoder's output depends on (`encoder_settings`), and, where it runs the
+  encoder itself (`encodes_real_tokens`), how its encoder layers run with the padding left out of
+  the position-wise layers (`run_encoder`).
 The decoder's start token is the configuration's `decoder_start_token_id` in every family.
 """
 from __future__ import annotations

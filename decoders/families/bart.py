@@ -6,9 +6,11 @@ plus `final_logits_bias`. No relative-position bias: a position reaches the mode
 token's `positions`, and a decoder's bias tables hold only what each query may see."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from decoders.families import Family, Sizes, heads_of, register_family, unchanged
+from decoders.families import (Family, Sizes, heads_at_positions, heads_of, register_family,
+                               unchanged)
 
 # The types whose layers norm before each sublayer (and the stack's output after the last).
 NORM_FIRST = ("mbart", "pegasus")
@@ -74,6 +76,50 @@ class BartFamily(Family):
         final_norm = getattr(decoder, "layer_norm", None)
         return hidden if final_norm is None else final_norm(hidden)
 
+    def encodes_real_tokens(self, config):
+        return True
+
+    def run_encoder(self, model, input_ids, padding_mask, real, attend):
+        # the same operations as the family's encoder and its layers, in the same order; the
+        # states of the real tokens alone (N, d_model) between the attentions
+        encoder = model.get_encoder()
+        batch, length = input_ids.shape
+        embedded = encoder.embed_tokens(input_ids.flatten()[real]) * getattr(encoder, "embed_scale", 1.0)
+        table = encoder.embed_positions
+        positions = real % length   # each source's positions count from its row's start
+        hidden = embedded + nn.functional.embedding(positions + getattr(table, "offset", 0),
+                                                    table.weight)
+        embedding_norm = getattr(encoder, "layernorm_embedding", None)
+        if embedding_norm is not None:
+            hidden = embedding_norm(hidden)
+        training = encoder.training
+        dropout = (lambda x: nn.functional.dropout(x, encoder.dropout, True)) if training else unchanged
+        hidden = dropout(hidden)
+        norm_first = model.config.model_type in NORM_FIRST
+        for layer in encoder.layers:
+            attention, norm = layer.self_attn, layer.self_attn_layer_norm
+            normed = norm(hidden) if norm_first else hidden
+            query, keys, values = (
+                heads_at_positions(projection(normed), real, batch, length, attention.head_dim)
+                for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+            attended = attend(attention, query, keys, values, padding_mask,
+                              attention.scaling).flatten(0, 1)[real]
+            hidden = hidden + dropout(attention.out_proj(attended))
+            hidden = hidden if norm_first else norm(hidden)
+
+            norm = layer.final_layer_norm
+            normed = norm(hidden) if norm_first else hidden
+            inner = layer.activation_fn(layer.fc1(normed))
+            if training:
+                inner = nn.functional.dropout(inner, layer.activation_dropout, True)
+            hidden = hidden + dropout(layer.fc2(inner))
+            hidden = _clamped_in_float16(hidden if norm_first else norm(hidden), always=norm_first)
+        final_norm = getattr(encoder, "layer_norm", None)
+        if final_norm is not None:
+            hidden = final_norm(hidden)
+        return hidden.new_zeros(batch * length, hidden.size(-1)).index_copy(0, real, hidden).view(
+            batch, length, -1)
+
     def cross_keys_values(self, model, layer, encoder_states):
         attention = model.get_decoder().layers[layer].encoder_attn
         return (heads_of(attention.k_proj(encoder_states), attention.head_dim),
@@ -82,3 +128,14 @@ class BartFamily(Family):
     def output_logits(self, model, hidden):
         return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)
 
+
+
+def _clamped_in_float16(hidden: torch.Tensor, always: bool) -> torch.Tensor:
+    """An encoder layer's guard on float16 states: clamped a little below the largest float16,
+    by the norm-first layers always, by the others only where some state is not finite."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    largest = torch.finfo(torch.float16).max
+    bound = (torch.tensor(largest - 1000, dtype=hidden.dtype, device=hidden.device) if always
+             else torch.where(torch.isfinite(hidden).all(), largest, largest - 1000).to(hidden.dtype))
+    return torch.clamp(hidden, min=-bound, max=bound)
