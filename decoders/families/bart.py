@@ -31,18 +31,14 @@ class BartFamily(Family):
     def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
                    encoder_states, cross_mask, cache, slots, attend):
         decoder = model.get_decoder()
-        # a scaled embedding module (BART, mBART) or a scale kept beside it (Pegasus, Marian)
-        embedded = decoder.embed_tokens(input_ids) * getattr(decoder, "embed_scale", 1.0)
-        table = decoder.embed_positions
-        embedded = embedded + nn.functional.embedding(positions + getattr(table, "offset", 0),
-                                                      table.weight)
+        embedded = _embedded(decoder, input_ids, positions)
         if position_embeddings is not None:
             embedded = embedded + position_embeddings
         embedding_norm = getattr(decoder, "layernorm_embedding", None)
         if embedding_norm is not None:
             embedded = embedding_norm(embedded)
-        training = decoder.training
-        dropout = (lambda x: nn.functional.dropout(x, decoder.dropout, True)) if training else unchanged
+        dropout = ((lambda x: nn.functional.dropout(x, decoder.dropout, True)) if decoder.training
+                   else unchanged)
         hidden = dropout(embedded)
         norm_first = model.config.model_type in NORM_FIRST
         for index, layer in enumerate(decoder.layers):
@@ -66,13 +62,7 @@ class BartFamily(Family):
             hidden = hidden + dropout(attention.out_proj(attended))
             hidden = hidden if norm_first else norm(hidden)
 
-            norm = layer.final_layer_norm
-            normed = norm(hidden) if norm_first else hidden
-            inner = layer.activation_fn(layer.fc1(normed))
-            if training:
-                inner = nn.functional.dropout(inner, layer.activation_dropout, True)
-            hidden = hidden + dropout(layer.fc2(inner))
-            hidden = hidden if norm_first else norm(hidden)
+            hidden = _feed_forward(layer, hidden, norm_first, dropout)
         final_norm = getattr(decoder, "layer_norm", None)
         return hidden if final_norm is None else final_norm(hidden)
 
@@ -84,16 +74,13 @@ class BartFamily(Family):
         # states of the real tokens alone (N, d_model) between the attentions
         encoder = model.get_encoder()
         batch, length = input_ids.shape
-        embedded = encoder.embed_tokens(input_ids.flatten()[real]) * getattr(encoder, "embed_scale", 1.0)
-        table = encoder.embed_positions
-        positions = real % length   # each source's positions count from its row's start
-        hidden = embedded + nn.functional.embedding(positions + getattr(table, "offset", 0),
-                                                    table.weight)
+        # each source's positions count from its row's start
+        hidden = _embedded(encoder, input_ids.flatten()[real], real % length)
         embedding_norm = getattr(encoder, "layernorm_embedding", None)
         if embedding_norm is not None:
             hidden = embedding_norm(hidden)
-        training = encoder.training
-        dropout = (lambda x: nn.functional.dropout(x, encoder.dropout, True)) if training else unchanged
+        dropout = ((lambda x: nn.functional.dropout(x, encoder.dropout, True)) if encoder.training
+                   else unchanged)
         hidden = dropout(hidden)
         norm_first = model.config.model_type in NORM_FIRST
         for layer in encoder.layers:
@@ -107,13 +94,8 @@ class BartFamily(Family):
             hidden = hidden + dropout(attention.out_proj(attended))
             hidden = hidden if norm_first else norm(hidden)
 
-            norm = layer.final_layer_norm
-            normed = norm(hidden) if norm_first else hidden
-            inner = layer.activation_fn(layer.fc1(normed))
-            if training:
-                inner = nn.functional.dropout(inner, layer.activation_dropout, True)
-            hidden = hidden + dropout(layer.fc2(inner))
-            hidden = _clamped_in_float16(hidden if norm_first else norm(hidden), always=norm_first)
+            hidden = _clamped_in_float16(_feed_forward(layer, hidden, norm_first, dropout),
+                                         always=norm_first)
         final_norm = getattr(encoder, "layer_norm", None)
         if final_norm is not None:
             hidden = final_norm(hidden)
@@ -128,6 +110,26 @@ class BartFamily(Family):
     def output_logits(self, model, hidden):
         return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)
 
+
+
+def _embedded(stack, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A stack's token embeddings, scaled, plus its position embeddings at `positions`: a scaled
+    embedding module (BART, mBART) or a scale kept beside it (Pegasus, Marian); learned positions
+    stored two rows on (BART, mBART) or sinusoidal ones (Pegasus, Marian)."""
+    table = stack.embed_positions
+    return (stack.embed_tokens(input_ids) * getattr(stack, "embed_scale", 1.0)
+            + nn.functional.embedding(positions + getattr(table, "offset", 0), table.weight))
+
+
+def _feed_forward(layer, hidden: torch.Tensor, norm_first: bool, dropout) -> torch.Tensor:
+    """A layer's feed-forward sublayer with its residual, normed before it or after the residual."""
+    norm = layer.final_layer_norm
+    normed = norm(hidden) if norm_first else hidden
+    inner = layer.activation_fn(layer.fc1(normed))
+    if layer.training:
+        inner = nn.functional.dropout(inner, layer.activation_dropout, True)
+    hidden = hidden + dropout(layer.fc2(inner))
+    return hidden if norm_first else norm(hidden)
 
 
 def _clamped_in_float16(hidden: torch.Tensor, always: bool) -> torch.Tensor:
