@@ -259,13 +259,14 @@ def test_cache_holds_no_more_columns_than_the_fullest_example_fed(monkeypatch):
     that at some call, which happens when the example running most subsequences changes or
     finishes first."""
     model = trained_model(1)
-    decoder = pipelined(model, delay=1, max_subsequences=2, max_subsequence_length=6, max_steps=40)
+    decoder = pipelined(model, delay=1, max_subsequences=3, max_subsequence_length=6, max_steps=40)
 
     def outgrows(input_ids, attention_mask):
         """unpacked, the cache would hold padding past the fullest example's columns"""
         calls = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)[2]
         return any(appended > fed for _, fed, appended in calls)
-    input_ids, attention_mask = first_batch_where(outgrows, 8, max_len=9, seed=12, tries=200)
+    # batches of 12: at every CPU kernel level some of the first few dozen have such a call
+    input_ids, attention_mask = first_batch_where(outgrows, 12, max_len=9, seed=12, tries=200)
     _, _, calls = observed_generate(monkeypatch, decoder, model, input_ids, attention_mask)
     assert all(length == fed for length, fed, _ in calls)
     # packing changes no output
