@@ -129,12 +129,18 @@ def family_of(config) -> Family:
     return family
 
 
+def at_positions(states: torch.Tensor, real: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """States of a batch's real tokens (N, width), at their flat positions `real` (N,) of
+    (batch * length), -> (batch, length, width), zeros at the padding."""
+    padded = states.new_zeros(batch * length, states.size(-1)).index_copy(0, real, states)
+    return padded.view(batch, length, -1)
+
+
 def heads_at_positions(states: torch.Tensor, real: torch.Tensor, batch: int, length: int,
                        head_dim: int) -> torch.Tensor:
-    """The projections of a batch's real tokens (N, heads * head_dim), at their flat positions
-    `real` (N,) of (batch * length), -> (batch, heads, length, head_dim), zeros at the padding."""
-    padded = states.new_zeros(batch * length, states.size(-1)).index_copy(0, real, states)
-    return heads_of(padded.view(batch, length, -1), head_dim)
+    """The projections of a batch's real tokens (N, heads * head_dim) `at_positions`, as heads:
+    (batch, heads, length, head_dim), zeros at the padding."""
+    return heads_of(at_positions(states, real, batch, length), head_dim)
 
 
 def heads_of(projected: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoders.families import (Family, Sizes, heads_at_positions, heads_of, register_family,
-                               unchanged)
+from decoders.families import (Family, Sizes, at_positions, heads_at_positions, heads_of,
+                               register_family, unchanged)
 
 # The types whose layers norm before each sublayer (and the stack's output after the last).
 NORM_FIRST = ("mbart", "pegasus")
@@ -31,15 +31,8 @@ class BartFamily(Family):
     def run_layers(self, model, input_ids, positions, position_embeddings, self_bias,
                    encoder_states, cross_mask, cache, slots, attend):
         decoder = model.get_decoder()
-        embedded = _embedded(decoder, input_ids, positions)
-        if position_embeddings is not None:
-            embedded = embedded + position_embeddings
-        embedding_norm = getattr(decoder, "layernorm_embedding", None)
-        if embedding_norm is not None:
-            embedded = embedding_norm(embedded)
-        dropout = ((lambda x: nn.functional.dropout(x, decoder.dropout, True)) if decoder.training
-                   else unchanged)
-        hidden = dropout(embedded)
+        dropout = _dropout(decoder)
+        hidden = dropout(_embedded(decoder, input_ids, positions, position_embeddings))
         norm_first = model.config.model_type in NORM_FIRST
         for index, layer in enumerate(decoder.layers):
             # each sublayer: its norm before it (the residual left unnormed) or after the residual
@@ -63,8 +56,7 @@ class BartFamily(Family):
             hidden = hidden if norm_first else norm(hidden)
 
             hidden = _feed_forward(layer, hidden, norm_first, dropout)
-        final_norm = getattr(decoder, "layer_norm", None)
-        return hidden if final_norm is None else final_norm(hidden)
+        return _final_normed(decoder, hidden)
 
     def encodes_real_tokens(self, config):
         return True
@@ -74,14 +66,9 @@ class BartFamily(Family):
         # states of the real tokens alone (N, d_model) between the attentions
         encoder = model.get_encoder()
         batch, length = input_ids.shape
+        dropout = _dropout(encoder)
         # each source's positions count from its row's start
-        hidden = _embedded(encoder, input_ids.flatten()[real], real % length)
-        embedding_norm = getattr(encoder, "layernorm_embedding", None)
-        if embedding_norm is not None:
-            hidden = embedding_norm(hidden)
-        dropout = ((lambda x: nn.functional.dropout(x, encoder.dropout, True)) if encoder.training
-                   else unchanged)
-        hidden = dropout(hidden)
+        hidden = dropout(_embedded(encoder, input_ids.flatten()[real], real % length))
         norm_first = model.config.model_type in NORM_FIRST
         for layer in encoder.layers:
             attention, norm = layer.self_attn, layer.self_attn_layer_norm
@@ -96,11 +83,7 @@ class BartFamily(Family):
 
             hidden = _clamped_in_float16(_feed_forward(layer, hidden, norm_first, dropout),
                                          always=norm_first)
-        final_norm = getattr(encoder, "layer_norm", None)
-        if final_norm is not None:
-            hidden = final_norm(hidden)
-        return hidden.new_zeros(batch * length, hidden.size(-1)).index_copy(0, real, hidden).view(
-            batch, length, -1)
+        return at_positions(_final_normed(encoder, hidden), real, batch, length)
 
     def cross_keys_values(self, model, layer, encoder_states):
         attention = model.get_decoder().layers[layer].encoder_attn
@@ -111,14 +94,32 @@ class BartFamily(Family):
         return model.lm_head(hidden) + model.final_logits_bias.to(hidden.dtype)
 
 
-
-def _embedded(stack, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A stack's token embeddings, scaled, plus its position embeddings at `positions`: a scaled
-    embedding module (BART, mBART) or a scale kept beside it (Pegasus, Marian); learned positions
-    stored two rows on (BART, mBART) or sinusoidal ones (Pegasus, Marian)."""
+def _embedded(stack, input_ids: torch.Tensor, positions: torch.Tensor,
+              added: torch.Tensor | None = None) -> torch.Tensor:
+    """A stack's token embeddings, scaled, plus its position embeddings at `positions` and `added`
+    where given, through its embedding norm where it has one (BART, mBART): a scaled embedding
+    module (BART, mBART) or a scale kept beside it (Pegasus, Marian); learned positions stored two
+    rows on (BART, mBART) or sinusoidal ones (Pegasus, Marian)."""
     table = stack.embed_positions
-    return (stack.embed_tokens(input_ids) * getattr(stack, "embed_scale", 1.0)
-            + nn.functional.embedding(positions + getattr(table, "offset", 0), table.weight))
+    embedded = (stack.embed_tokens(input_ids) * getattr(stack, "embed_scale", 1.0)
+                + nn.functional.embedding(positions + getattr(table, "offset", 0), table.weight))
+    if added is not None:
+        embedded = embedded + added
+    norm = getattr(stack, "layernorm_embedding", None)
+    return embedded if norm is None else norm(embedded)
+
+
+def _dropout(stack):
+    """The stack's dropout on its states: none outside training."""
+    if not stack.training:
+        return unchanged
+    return lambda hidden: nn.functional.dropout(hidden, stack.dropout, True)
+
+
+def _final_normed(stack, hidden: torch.Tensor) -> torch.Tensor:
+    """The stack's output: through its final norm where it has one (mBART, Pegasus)."""
+    norm = getattr(stack, "layer_norm", None)
+    return hidden if norm is None else norm(hidden)
 
 
 def _feed_forward(layer, hidden: torch.Tensor, norm_first: bool, dropout) -> torch.Tensor:
@@ -138,6 +139,7 @@ def _clamped_in_float16(hidden: torch.Tensor, always: bool) -> torch.Tensor:
     if hidden.dtype != torch.float16:
         return hidden
     largest = torch.finfo(torch.float16).max
-    bound = (torch.tensor(largest - 1000, dtype=hidden.dtype, device=hidden.device) if always
-             else torch.where(torch.isfinite(hidden).all(), largest, largest - 1000).to(hidden.dtype))
+    if always:
+        return torch.clamp(hidden, min=-(largest - 1000), max=largest - 1000)
+    bound = torch.where(torch.isfinite(hidden).all(), largest, largest - 1000).to(hidden.dtype)
     return torch.clamp(hidden, min=-bound, max=bound)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from decoders.families import (Family, Sizes, heads_at_positions, heads_of, register_family,
-                               unchanged)
+from decoders.families import (Family, Sizes, at_positions, heads_at_positions, heads_of,
+                               register_family, unchanged)
 from decoders.transformers_internals import bias_owner, relative_position_buckets
 
 
@@ -90,9 +90,7 @@ class T5Family(Family):
             hidden = _finite(hidden + dropout(attention.o(attended)))
             dense = feed_forward.DenseReluDense
             hidden = _finite(hidden + dropout(dense(feed_forward.layer_norm(hidden))))
-        hidden = dropout(encoder.final_layer_norm(hidden))
-        return hidden.new_zeros(batch * length, hidden.size(-1)).index_copy(0, real, hidden).view(
-            batch, length, -1)
+        return at_positions(dropout(encoder.final_layer_norm(hidden)), real, batch, length)
 
     def cross_keys_values(self, model, layer, encoder_states):
         attention = model.decoder.block[layer].layer[1].EncDecAttention
