@@ -66,7 +66,7 @@ class FixedShapeStep:
             raise RuntimeError(f"a call of {self.function.__name__} with other constants than its "
                                f"fixed-shape step was compiled for: {self.constants_of(args)}, "
                                f"not {self.constants}")
-        out = self.compiled(*self.weights, *self.tensors_of(args))
+        out = self.compiled(self.weights + self.tensors_of(args))   # a list it empties
         return out[0] if self.single else tuple(out)
 
     def compile(self, model: nn.Module, args: tuple) -> Callable | None:
@@ -92,24 +92,34 @@ class FixedShapeStep:
             single.append(isinstance(out, torch.Tensor))
             return (out,) if single[-1] else tuple(out)
 
-        from torch._inductor.compile_fx import compile_fx   # what compiling needs, at its first use
+        # what compiling needs, at its first use
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
         tensors = tensors_of(args)
         example = [*weights.values(), *tensors]
         try:
             with torch.no_grad():
-                traced = make_fx(graph, tracing_mode="fake")(*example)
+                # in the operators inductor lowers; the cache's writes stay writes into its tensors
+                traced = make_fx(graph, tracing_mode="fake",
+                                 decomposition_table=select_decomp_table())(*example)
         except Exception:   # what Dynamo runs but tracing does not: the fallback's
             return None
         if not kept[-1]:
             return None
-        # an inference graph (no gradient is recorded through it)
-        with torch.no_grad():
-            compiled = compile_fx(traced, example, config_patches=self.options)
+        # inductor's graph itself, an inference graph: not wrapped by AOT autograd, whose wrappers
+        # (gradients, aliasing, views of outputs) a graph of tensors under no_grad needs none of,
+        # and cost a tenth of a small decoder call
+        with torch.no_grad(), config.patch(self.options):
+            graph_code = compile_fx_inner(traced, example, is_inference=True,
+                                          cpp_wrapper=bool(self.options.get("cpp_wrapper")))
         self.weights, self.single = list(weights.values()), single[-1]
         self.tensors_of, self.constants_of = tensors_of, constants_of
         self.constants = constants_of(args)
-        return compiled
+        # the generated module's function of a list of the graph's inputs, called without the
+        # per-call bookkeeping of the graph object around it
+        return graph_code.current_callable
 
 
 # The function of every step compiled in this process, in order: a decode after a warm-up adds none.

@@ -311,7 +311,8 @@ class PipelinedDecoder(Decoder):
         than the fullest live example fed (its widest example changed or finished), every
         example's fed columns are packed to the front and the rest cropped: before every call,
         cache length = most tokens any live example fed. (Rare: usually the example running most
-        subsequences stays the fullest.)
+        subsequences stays the fullest.) Compiled, the cache has a fixed number of columns, and
+        is packed only when a call's columns might not fit in them (`_room_for_a_call`).
 
         Host syncs: one per decoder call, the read-back of its tokens (`LiveRows.read`). The
         decode's state is then the host's (`Example`): which slots run, their tokens, the output
@@ -485,9 +486,18 @@ class PipelinedDecoder(Decoder):
         batch.keys, batch.encoder_states, batch.cross_mask = kept
         batch.live = [batch.live[row] for row in batch.rows.kept]
         most_fed = max(example.fed for example in batch.live)
-        if batch.written > most_fed:
+        if batch.written > most_fed and not self._room_for_a_call(batch):
             self._pack(batch, most_fed)
         return True
+
+    def _room_for_a_call(self, batch: Batch) -> bool:
+        """Whether the next call's columns fit the cache as it is: under fixed shapes while the
+        columns written and a call's most (one per slot) fit its `most_columns` (a pack sorts and
+        gathers every layer's keys and values, which costs more than the padding columns it
+        saves the attention); a cache that grows never (it is packed whenever it holds padding
+        past the fullest example's columns)."""
+        return (batch.most_columns is not None
+                and batch.written + self.max_subsequences <= batch.most_columns)
 
     def _pack(self, batch: Batch, most_fed: int) -> None:
         """Pack each example's fed columns to the front of the cache and its keys (stable: their

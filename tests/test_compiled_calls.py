@@ -365,6 +365,41 @@ def test_pipelineds_compiled_calls_run_in_a_few_shapes_and_give_the_eager_tokens
     assert {shape[1] for shape in states} == {16}
 
 
+def test_pipelineds_compiled_loop_packs_its_cache_only_when_a_call_might_not_fit(monkeypatch):
+    """Compiled, pipelined's cache has a fixed number of columns: padding columns stay in it until
+    a call's columns (one per slot at most) might not fit after those written; then the fed
+    columns are packed to the front. Found on a batch that meets both: a call after padding past
+    the fullest example's columns, and a pack."""
+    model = tiny_t5(0)
+    options = {"max_new_tokens": 12, "max_subsequences": 4, "max_subsequence_length": 12}
+    eager = build_decoder("pipelined", model.config, SPECIAL, **options).eval()
+    compiled = build_decoder("pipelined", model.config, SPECIAL, compile=True, **options).eval()
+    most_columns = options["max_new_tokens"] + 3 * options["max_subsequences"]
+    # the compiled decode's columns written at each pack, and (written, most fed) before each call
+    packs, calls = [], []
+    pack, call = decoders.pipelined.PipelinedDecoder._pack, decoders.pipelined.PipelinedDecoder._call
+
+    def recording_pack(self, batch, most_fed):
+        if batch.most_columns is not None:
+            packs.append(batch.written)
+        return pack(self, batch, most_fed)
+
+    def recording_call(self, batch, step):
+        if batch.most_columns is not None:
+            calls.append((batch.written, max(example.fed for example in batch.live)))
+        return call(self, batch, step)
+    monkeypatch.setattr(decoders.pipelined.PipelinedDecoder, "_pack", recording_pack)
+    monkeypatch.setattr(decoders.pipelined.PipelinedDecoder, "_call", recording_call)
+
+    def packs_and_keeps_padding(seed) -> bool:
+        packs.clear(), calls.clear()
+        recorded_against_eager(eager, compiled, model, random_batch(5, seed=seed), monkeypatch)
+        return bool(packs) and any(written > fed for written, fed in calls)
+    assert any(packs_and_keeps_padding(seed) for seed in range(40))
+    assert all(written + options["max_subsequences"] > most_columns for written in packs)
+    assert all(written + options["max_subsequences"] <= most_columns for written, _ in calls)
+
+
 @pytest.mark.slow   # compiling takes seconds
 @pytest.mark.parametrize("name", ["blockwise", "lookup", "pipelined"])
 def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_it(name, monkeypatch):
