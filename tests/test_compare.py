@@ -303,6 +303,10 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     assert all(len(r["speed_vs_greedy_passes"]) == 1 for r in compared["rows"])  # one per pass
     assert "batch size 1 only" in peer_out.with_suffix(".md").read_text()
     assert "a model of its own" in peer_out.with_suffix(".md").read_text()
+    # the table says which rows ran compiled where some did
+    assert "those named `(compile=true)` compiled" in peer_out.with_suffix(".md").read_text()
+    eager_only = [r for r in compared["rows"] if not r["decoder"].endswith(peers.compiled_name(""))]
+    assert "compile=true" not in peers.markdown({**compared, "rows": eager_only})
     other_task = fit.main(["--decoder", "pipelined", *TINY, "--task", "qa", *tracking(tmp_path)])
     with pytest.raises(ConfigError, match=r"--pipelined .* was trained for task 'qa', --ckpt for "
                                           r"'keyphrase'"):

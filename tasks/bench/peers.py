@@ -132,8 +132,9 @@ def markdown(result: dict) -> str:
     if any(r["decoder"] in (PIPELINED, compiled_name(PIPELINED)) for r in result["rows"]):
         lines += ["", "pipelined decodes a pipelined checkpoint of the same task, a model of its own: "
                   "its tokens are not greedy `generate`'s, and its quality column is what to compare."]
-    lines += ["", "The library's rows run their decoder steps eager, those named `(compile=true)` "
-              "compiled (`decoder.compile=true`)."]
+    if any(r["decoder"].endswith(compiled_name("")) for r in result["rows"]):
+        lines += ["", "The library's rows run their decoder steps eager, those named `(compile=true)` "
+                  "compiled (`decoder.compile=true`)."]
     lines += ["", f"transformers' prompt lookup runs at batch size 1 only (\"assisted generate is "
               f"only supported for batch_size = 1\"): it has no row at batch size "
               f"{result['batch_size']}.", "", f"Command: `{result['command']}`"]
