@@ -392,7 +392,8 @@ def test_pipelineds_compiled_loop_packs_its_cache_only_when_a_call_might_not_fit
     monkeypatch.setattr(decoders.pipelined.PipelinedDecoder, "_call", recording_call)
 
     def packs_and_keeps_padding(seed) -> bool:
-        packs.clear(), calls.clear()
+        packs.clear()
+        calls.clear()
         recorded_against_eager(eager, compiled, model, random_batch(5, seed=seed), monkeypatch)
         return bool(packs) and any(written > fed for written, fed in calls)
     assert any(packs_and_keeps_padding(seed) for seed in range(40))
