@@ -5,8 +5,8 @@ and the configuration it patches around the call. At a small model's decoder cal
 is about a third of the call. A loop whose calls take a few fixed shapes needs none of it after
 a shape's first call: `FixedShapeStep` traces the step once per shape into a graph of tensors
 (the model's weights, then every tensor its arguments hold, in `DecoderCache`s, tuples and lists
-too), compiles that graph with inductor, and calls it with those tensors, read from each call's
-arguments in the same order by one generated function. What the graph took as constants (the
+too; of those, the ones the graph reads), compiles that graph with inductor, and calls it with
+those tensors, read from each call's arguments in the same order by one generated function. What the graph took as constants (the
 arguments' ints, None and other values) are checked at every call, and the sizes and strides of
 its tensors by the graph's C++ wrapper: a call in another shape fails instead of reading out of
 bounds.
@@ -108,13 +108,24 @@ class FixedShapeStep:
             return None
         if not kept[-1]:
             return None
+        # inputs the graph never reads (the encoder's weights, arguments the step ignores) left
+        # out: each input costs the call a handle
+        placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
+        read = [bool(node.users) for node in placeholders]
+        for node, used in zip(placeholders, read):
+            if not used:
+                traced.graph.erase_node(node)
+        traced.recompile()
+        example = [tensor for tensor, used in zip(example, read) if used]
+        tensors_of = _getter([path for path, used in zip(tensor_paths, read[count:]) if used], "[]")
         # inductor's graph itself, an inference graph: not wrapped by AOT autograd, whose wrappers
         # (gradients, aliasing, views of outputs) a graph of tensors under no_grad needs none of,
         # and cost a tenth of a small decoder call
         with torch.no_grad(), config.patch(self.options):
             graph_code = compile_fx_inner(traced, example, is_inference=True,
                                           cpp_wrapper=bool(self.options.get("cpp_wrapper")))
-        self.weights, self.single = list(weights.values()), single[-1]
+        self.weights = [weight for weight, used in zip(weights.values(), read) if used]
+        self.single = single[-1]
         self.tensors_of, self.constants_of = tensors_of, constants_of
         self.constants = constants_of(args)
         # the generated module's function of a list of the graph's inputs, called without the

@@ -163,9 +163,13 @@ def fitted_costs(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[f
 # of the chosen loop that a revisit of the other is compared with: a median of three that one decode
 # slowed by first touching memory does not move.
 DECODES_TO_COMPARE = 3
-# One decode in this many at a batch size runs the loop not chosen, so that its time stays current
-# as the tally and the machine change.
+# The decodes at a batch size after which the loop not chosen runs once (a revisit), so that its
+# time stays current as the tally and the machine change: REVISIT_EVERY at first; twice the last
+# gap after a revisit that leaves the choice as it was, up to MOST_DECODES_BETWEEN_REVISITS, since
+# a revisit costs a slower decode (compiled, perhaps a shape compiled); REVISIT_EVERY again after
+# one that changes it.
 REVISIT_EVERY = 32
+MOST_DECODES_BETWEEN_REVISITS = 512
 # The latest comparisons of the two loops at a batch size whose median decides.
 COMPARISONS_KEPT = 5
 
@@ -177,8 +181,8 @@ class LoopChoice:
     both run alike, and which would weigh most in the shortest outputs), of the decodes at the batch
     size that compiled no step (a step compiles once per shape, in seconds, and a loop's first
     decodes compile most: that says nothing of its later ones): first DECODES_TO_COMPARE decodes of
-    the verify loop, then of sequential decoding, then the faster, and one decode in REVISIT_EVERY
-    the other. Each comparison is a ratio of the verify loop's time to sequential decoding's, timed
+    the verify loop, then of sequential decoding, then the faster, and now and then the other
+    (REVISIT_EVERY). Each comparison is a ratio of the verify loop's time to sequential decoding's, timed
     in the same stretch: the first of the two loops' medians, then each revisit's over the chosen
     loop's latest DECODES_TO_COMPARE decodes; the median of the latest COMPARISONS_KEPT decides. A
     shared machine's speed drifts by more than the loops differ; a loop's times from decodes long
@@ -188,6 +192,7 @@ class LoopChoice:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}   # (rows, verify loop) -> latest
         self.ratios: dict[int, deque[float]] = {}                 # rows -> verify / sequential
         self.decodes: dict[int, int] = {}                         # rows -> decodes timed
+        self.revisits: dict[int, tuple[int, int]] = {}            # rows -> (the next's decode, gap)
 
     def chosen(self, rows: int) -> bool | None:
         """Whether the loop chosen at `rows` rows is the verify loop; None before both were timed."""
@@ -199,7 +204,7 @@ class LoopChoice:
         chosen = self.chosen(rows)
         if chosen is None:
             return len(self.seconds.get((rows, True), ())) < DECODES_TO_COMPARE
-        return chosen != (self.decodes[rows] % REVISIT_EVERY == REVISIT_EVERY - 1)
+        return chosen != (self.decodes[rows] == self.revisits[rows][0])
 
     def add(self, rows: int, verified: bool, seconds_per_token: float) -> None:
         """A decode of `rows` rows, by the verify loop or not, and its seconds per output token."""
@@ -207,6 +212,9 @@ class LoopChoice:
         if chosen is not None and chosen != verified:   # a revisit
             latest = statistics.median(self.seconds[rows, chosen])
             self.ratios[rows].append(seconds_per_token / latest if verified else latest / seconds_per_token)
+            gap = self.revisits[rows][1]
+            gap = min(2 * gap, MOST_DECODES_BETWEEN_REVISITS) if self.chosen(rows) == chosen else REVISIT_EVERY
+            self.revisits[rows] = (self.decodes[rows] + gap, gap)
         self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_TO_COMPARE)).append(seconds_per_token)
         self.decodes[rows] = self.decodes.get(rows, 0) + 1
         if chosen is None:   # both loops' first decodes timed: the first comparison
@@ -214,6 +222,7 @@ class LoopChoice:
             if len(verify) == len(sequential) == DECODES_TO_COMPARE:
                 self.ratios[rows] = deque([statistics.median(verify) / statistics.median(sequential)],
                                           maxlen=COMPARISONS_KEPT)
+                self.revisits[rows] = (REVISIT_EVERY - 1, REVISIT_EVERY)
 
 
 class FeedingRecord:

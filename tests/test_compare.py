@@ -303,6 +303,7 @@ def test_decode_only_benchmarks_run_on_the_cpu_with_a_note(tmp_path):
     assert all(len(r["speed_vs_greedy_passes"]) == 1 for r in compared["rows"])  # one per pass
     assert "batch size 1 only" in peer_out.with_suffix(".md").read_text()
     assert "a model of its own" in peer_out.with_suffix(".md").read_text()
+    assert compared["sequential_weights"] == []   # pipelined's backbone is its own
     # the table says which rows ran compiled where some did
     assert "those named `(compile=true)` compiled" in peer_out.with_suffix(".md").read_text()
     eager_only = [r for r in compared["rows"] if not r["decoder"].endswith(peers.compiled_name(""))]
@@ -327,6 +328,27 @@ def test_decode_only_benchmarks_refuse_bad_arguments():
         peers.main(["--ckpt", "s.ckpt", "--prompt-lookup", "4,0"])
     with pytest.raises(ConfigError, match=r"--batch-size: must be >= 1, got 0"):
         peers.main(["--ckpt", "s.ckpt", "--batch-size", "0"])
+
+
+def test_peers_shares_the_sequential_weights_only_with_a_backbone_equal_to_them():
+    """A blockwise checkpoint trained frozen holds the sequential model's backbone: its rows decode
+    that one copy of the weights (a copy of its own would be colder in the CPU's caches), and the
+    table says so; one weight apart, or another architecture, and it keeps its own."""
+    from tasks.bench import peers
+    from tests.conftest import tiny_t5
+    backbone, other = tiny_t5(seed=0), tiny_t5(seed=0)
+    assert peers.same_weights(other, backbone)
+    with torch.no_grad():
+        other.lm_head.weight[0, 0] += 1
+    assert not peers.same_weights(other, backbone)
+    assert not peers.same_weights(tiny_t5(seed=0, relative_attention_num_buckets=16), backbone)
+    result = {"device": "cpu", "torch": torch.__version__, "cuda": None, "threads": 1, "note": "",
+              "precision": "fp32", "task": "keyphrase", "examples": 1, "single_examples": 1,
+              "repeats": 1, "primary_metric": "f1", "rows": [], "batch_size": 4, "command": "c",
+              "sequential_weights": ["blockwise", "blockwise(compile=true)"]}
+    assert ("blockwise, blockwise(compile=true): its checkpoint's backbone equals the sequential "
+            "checkpoint's") in peers.markdown(result)
+    assert "backbone equals" not in peers.markdown({**result, "sequential_weights": []})
 
 
 def test_a_drafters_share_of_the_time_is_that_of_the_last_timed_pass():

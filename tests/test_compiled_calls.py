@@ -506,6 +506,26 @@ def made_and_read(model, x, slots, cache):
     return cache.keys[0].sum(-1)
 
 
+def first_layer(model, x, ignored):
+    return model[0](x)
+
+
+@pytest.mark.slow   # compiling takes seconds
+def test_a_fixed_shape_step_is_given_only_the_tensors_its_graph_reads():
+    """Each input of a compiled graph costs its call a handle: a weight the step never reads (here
+    the second layer's, as a decoder step never reads the encoder's) and an argument tensor it
+    ignores are left out of the graph's inputs, and the call gives the eager result."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).double()
+    x, ignored = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    with torch.no_grad():
+        step = FixedShapeStep(first_layer, first_layer, FIXED_SHAPE_OPTIONS)
+        assert torch.equal(step(model, x, ignored), model[0](x)) and step.compiled is not None
+        assert len(step.weights) == 2
+        assert step.weights[0] is model[0].weight and step.weights[1] is model[0].bias
+        assert len(step.tensors_of((x, ignored))) == 1 and step.tensors_of((x, ignored))[0] is x
+
+
 @pytest.mark.slow   # compiling takes seconds
 def test_a_fixed_shape_step_is_a_graph_of_its_tensors_that_checks_what_it_was_compiled_for():
     """`FixedShapeStep`: its first call compiles a graph of the model's weights and every tensor

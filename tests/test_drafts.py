@@ -21,7 +21,8 @@ from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS
 from decoders.draft_policy import (ADAPTIVE, CALLS_TO_FIT, COMPARISONS_KEPT, DECODES_TO_COMPARE, DRAFT_LENGTH, FIXED,
-                                   MEASURED_MIN_ACCEPTANCE, PRIOR_TRIES, REVISIT_EVERY, CallCosts,
+                                   MEASURED_MIN_ACCEPTANCE, MOST_DECODES_BETWEEN_REVISITS, PRIOR_TRIES,
+                                   REVISIT_EVERY, CallCosts,
                                    FeedingRecord, LoopChoice, Tally, call_width, counted_positions,
                                    fed_offers, next_draft_lengths)
 from decoders.drafts import Draft, DraftAndVerifyDecoder, HostReads
@@ -328,15 +329,21 @@ def test_a_decode_may_feed_while_nothing_is_tallied_or_its_start_reaches_the_rul
 
 def test_a_loop_choice_times_both_loops_then_runs_the_faster_and_revisits_the_other():
     """`LoopChoice`: the verify loop's first decodes at a batch size, then sequential decoding's,
-    then the one of fewer seconds per output token, the other one decode in REVISIT_EVERY; each
-    batch size apart."""
+    then the one of fewer seconds per output token, the other once after REVISIT_EVERY decodes,
+    then after twice the last gap while revisits leave the choice as it was, up to
+    MOST_DECODES_BETWEEN_REVISITS; each batch size apart."""
     choice, seconds, ran = LoopChoice(), {True: 2.0, False: 1.0}, []
-    for _ in range(3 * REVISIT_EVERY):
+    for _ in range(8 * MOST_DECODES_BETWEEN_REVISITS):
         ran.append(choice.verifies(4))
         choice.add(4, ran[-1], seconds[ran[-1]])
     compared = 2 * DECODES_TO_COMPARE
     assert ran[:compared] == [True] * DECODES_TO_COMPARE + [False] * DECODES_TO_COMPARE
-    assert ran[compared:] == [n % REVISIT_EVERY == REVISIT_EVERY - 1 for n in range(compared, len(ran))]
+    revisits = [n for n in range(compared, len(ran)) if ran[n]]
+    gaps = [later - earlier for earlier, later in zip(revisits, revisits[1:])]
+    assert revisits[0] == REVISIT_EVERY - 1 and gaps[0] == 2 * REVISIT_EVERY
+    assert all(gap == min(2 * earlier, MOST_DECODES_BETWEEN_REVISITS)
+               for earlier, gap in zip(gaps, gaps[1:]))
+    assert gaps[-1] == MOST_DECODES_BETWEEN_REVISITS and gaps.count(gaps[-1]) > 2
     assert choice.verifies(2)
 
 
@@ -345,23 +352,34 @@ def test_a_loop_choice_compares_a_revisit_with_the_chosen_loops_latest_decodes()
     runs moves no choice (the verify loop, timed before the slowing, is not compared with its
     later decodes); a revisit of the verify loop twice as fast as sequential decoding's latest
     decodes is a ratio of 1/2, and once those make the median of the latest COMPARISONS_KEPT, the
-    verify loop runs."""
+    verify loop runs, and sequential decoding is revisited after REVISIT_EVERY decodes again."""
     choice, seconds, ran = LoopChoice(), {True: 2.0, False: 1.0}, []
 
-    def decodes(count, slowing):
+    def revisits(count, slowing):
+        """Decodes until `count` revisits have run."""
+        chosen = choice.chosen(4)
         for _ in range(count):
-            ran.append(choice.verifies(4))
-            choice.add(4, ran[-1], seconds[ran[-1]] * slowing)
+            while True:
+                ran.append(choice.verifies(4))
+                choice.add(4, ran[-1], seconds[ran[-1]] * slowing)
+                if ran[-1] != chosen:
+                    break
 
-    decodes(2 * DECODES_TO_COMPARE + 1, 1.0)
-    decodes(2 * REVISIT_EVERY, 3.0)
-    assert ran[2 * DECODES_TO_COMPARE:].count(True) == 2 and list(choice.ratios[4]) == [2.0] * 3
+    for _ in range(2 * DECODES_TO_COMPARE):
+        ran.append(choice.verifies(4))
+        choice.add(4, ran[-1], seconds[ran[-1]])
+    revisits(2, 3.0)
+    assert list(choice.ratios[4]) == [2.0] * 3
     seconds[True] = 0.5
-    decodes((COMPARISONS_KEPT // 2) * REVISIT_EVERY, 3.0)
+    revisits(COMPARISONS_KEPT // 2, 3.0)
     assert not choice.chosen(4)   # one ratio of 1/2 short of the median
-    decodes(REVISIT_EVERY, 3.0)
+    revisits(1, 3.0)
     assert statistics.median(choice.ratios[4]) == 0.5 and choice.chosen(4)
-    assert choice.verifies(4) != (choice.decodes[4] % REVISIT_EVERY == REVISIT_EVERY - 1)
+    following = []
+    for _ in range(REVISIT_EVERY):
+        following.append(choice.verifies(4))
+        choice.add(4, following[-1], seconds[following[-1]])
+    assert following == [True] * (REVISIT_EVERY - 1) + [False]
 
 
 def test_a_loop_choice_times_the_loops_after_the_encoder(monkeypatch):

@@ -11,7 +11,8 @@ after a warm-up; on a CPU with `--threads` torch threads and denormals flushed):
   lookup, which on an encoder-decoder model matches n-grams of the decoder's own tokens only, and
   which transformers refuses at batch size above 1;
 - this library's sequential and lookup decoders on the same weights, and its blockwise decoder
-  on the `--blockwise` checkpoint (heads trained on that sequential model) when given;
+  on the `--blockwise` checkpoint (heads trained on that sequential model) when given: where that
+  checkpoint's backbone equals the sequential one's (trained frozen), on the same weights too;
 - with `--pipelined`, the library's pipelined decoder on a pipelined checkpoint of the same task:
   a model of its own, trained on the pipelined layout, so its tokens are not greedy `generate`'s;
 - with `--compiled`, each of the library's rows followed by its compiled twin
@@ -84,6 +85,12 @@ def same_inputs(flag: str, path: str, cfg, built, reference_cfg, reference):
     return built.module
 
 
+def same_weights(backbone, other) -> bool:
+    """Whether two backbones hold equal weights under the same names."""
+    ours, theirs = backbone.state_dict(), other.state_dict()
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def positive_integers(flag: str, text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -132,6 +139,10 @@ def markdown(result: dict) -> str:
     if any(r["decoder"] in (PIPELINED, compiled_name(PIPELINED)) for r in result["rows"]):
         lines += ["", "pipelined decodes a pipelined checkpoint of the same task, a model of its own: "
                   "its tokens are not greedy `generate`'s, and its quality column is what to compare."]
+    if result.get("sequential_weights"):
+        rows = ", ".join(result["sequential_weights"])
+        lines += ["", f"{rows}: its checkpoint's backbone equals the sequential checkpoint's (trained "
+                  "frozen), so it decodes that one copy of the weights, with its own heads."]
     if any(r["decoder"].endswith(compiled_name("")) for r in result["rows"]):
         lines += ["", "The library's rows run their decoder steps eager, those named `(compile=true)` "
                   "compiled (`decoder.compile=true`)."]
@@ -182,8 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     batched = {GREEDY: SimpleNamespace(decoder=TransformersGenerate(bound, special),
                                        backbone=sequential.backbone)}
     # the library's rows, each followed by its compiled twin where --compiled; the rows of the
-    # sequential checkpoint decode its one copy of the weights, as transformers' rows do: a row on
-    # a copy of its own would find its weights colder in the CPU's caches than the others do
+    # sequential checkpoint decode its one copy of the weights, as transformers' rows do, and so
+    # does a checkpoint whose backbone is that one: a row on a copy of its own would find its
+    # weights colder in the CPU's caches than the others do
+    shared = []   # rows of another checkpoint whose backbone is the sequential one's
     for name, flag, path in (("sequential", None, args.ckpt), ("lookup", None, args.ckpt),
                              ("blockwise", "--blockwise", args.blockwise),
                              (PIPELINED, "--pipelined", args.pipelined)):
@@ -196,7 +209,12 @@ def main(argv: list[str] | None = None) -> dict:
                 decoder = restored(row, path)[1].module.decoder.to(device).eval()
                 batched[row] = SimpleNamespace(decoder=decoder, backbone=sequential.backbone)
             else:
-                batched[row] = same_inputs(flag, path, *restored(row, path), cfg, built).to(device).eval()
+                module = same_inputs(flag, path, *restored(row, path), cfg, built).to(device).eval()
+                if same_weights(module.backbone, sequential.backbone):
+                    # heads trained on the sequential model frozen: its one copy of the weights too
+                    module = SimpleNamespace(decoder=module.decoder, backbone=sequential.backbone)
+                    shared.append(row)
+                batched[row] = module
     if args.ctranslate2:
         exported = tempfile.TemporaryDirectory(prefix="peers-")   # removed when the run ends
         batched.update(ctranslate2_rows(args.ckpt, sequential, device, args.threads,
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**conditions, "task": cfg.task.name, "precision": args.precision, "repeats": args.repeats,
               "examples": len(test), "single_examples": single_examples,
               "primary_metric": primary_metric(cfg.task.name),
-              "batch_size": args.batch_size, "rows": rows,
+              "batch_size": args.batch_size, "rows": rows, "sequential_weights": shared,
               "command": command_line("tasks.bench.peers", argv)}
     show_report(args.out, result, markdown(result))
     return result
