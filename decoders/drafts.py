@@ -407,8 +407,9 @@ class VerifyLoop:
         slots = Slots(each=count + tables.fed_offset, rows=self.call_rows[rows],
                       width=attended_width(max(counts) + queries, self.most_slots))
         bias = self.table.gather(count.view(-1, 1, 1, 1) + tables.based_offsets[..., : slots.width])
-        # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths
-        shape = (rows, queries, device.encoder_states.size(1), slots.width)
+        # one compiled step per shape: the rows, fed tokens, source's and attended slots' widths,
+        # the cache's slots
+        shape = (rows, queries, device.encoder_states.size(1), slots.width, self.most_slots)
         step = self.steps.get(shape)
         if step is None:   # looked up once per decode: the lookup costs a share of a call
             timed = started if has_fixed_shape_greedy_step(self.model, shape) else None

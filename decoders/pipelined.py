@@ -434,8 +434,8 @@ class PipelinedDecoder(Decoder):
         attended = attended_width(batch.written + columns, batch.most_columns)
         written = torch.arange(batch.written, batch.written + columns, device=token.device)
         # one compiled function per shape: the rows, columns, source's and attended columns'
-        # widths and the grid's width
-        shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width)
+        # widths, the grid's width and the cache's columns
+        shape = (rows, columns, batch.encoder_states.size(1), attended, batch.width, batch.most_columns)
         if shape not in batch.steps:   # looked up once per decode: the lookup costs a share of a call
             batch.steps[shape] = fixed_shape_compiled(batch.model, greedy_columns, shape)
         return batch.steps[shape](

@@ -136,8 +136,9 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     compiled = {}   # shape -> its compiled step
     for step in range(bound):
         bias, slots, positions = steps[step]
-        # one compiled function per shape: the rows, the source's and the attended slots' widths
-        shape = (step_input.size(0), encoder_states.size(1), slots.width)
+        # one compiled function per shape: the rows, the source's and the attended slots' widths,
+        # the cache's slots
+        shape = (step_input.size(0), encoder_states.size(1), slots.width, bound)
         if shape not in compiled:   # looked up once per decode: the lookup costs a share of a call
             compiled[shape] = fixed_shape_compiled(model, next_tokens, shape)
         step_input, produced[rows.index, step], finished = compiled[shape](

@@ -429,6 +429,22 @@ def test_a_compiled_loop_of_fixed_shapes_compiles_once_and_later_decodes_reuse_i
 
 
 @pytest.mark.slow   # compiling takes seconds
+@pytest.mark.parametrize("name", ["sequential", "lookup", "pipelined"])
+def test_decoders_of_other_bounds_on_one_model_decode_through_steps_of_their_own(name):
+    """A model's compiled steps are kept with it: a decoder whose cache holds more slots (a
+    greater bound) finds none of another's steps, whose cache tensors would be smaller, under the
+    shapes of its calls (the rows, the fed tokens, the widths attended: the first widths of both
+    bounds agree); each gives its own eager tokens, one decoding after the other."""
+    model = tiny_t5(0)
+    batch = random_batch(4, seed=0)
+    for bound in (40, 48):
+        options = {**bounded(name, 40), "max_new_tokens": bound, **always_feeding(name)}
+        compiled = build_decoder(name, model.config, SPECIAL, compile=True, **options).eval()
+        eager = build_decoder(name, model.config, SPECIAL, **options).eval()
+        assert_same_output(compiled.generate(model, *batch), eager.generate(model, *batch))
+
+
+@pytest.mark.slow   # compiling takes seconds
 @pytest.mark.parametrize("name", ["sequential", "blockwise", "pipelined"])
 def test_every_call_of_a_fixed_shape_loop_runs_as_a_graph_of_its_tensors(name, monkeypatch):
     """The cache is made whole before the first call (`cache_made_whole`), so no call, the first
