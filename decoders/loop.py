@@ -89,6 +89,30 @@ def send(values: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(values).pin_memory().to(device, non_blocking=True)
 
 
+class CallTokens:
+    """The token each call gave each of its rows, kept as the calls gave them and read back once,
+    when the decode ends (`rows`): on a CPU, writing each call's tokens into a (B, bound) tensor
+    by the rows' examples (an indexed write) costs a small model's call more than the call's own
+    bookkeeping does."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []   # (examples, tokens), (rows,) each
+
+    def add(self, examples: torch.Tensor, tokens: torch.Tensor) -> None:
+        """A call's `tokens` (rows,), NOT_PRODUCED where a row keeps none, of `examples` (rows,)."""
+        self.calls.append((examples, tokens))
+
+    def rows(self, batch_size: int) -> list[list[int]]:
+        """Each example's tokens in call order, NOT_PRODUCED left out: one read (`read_back`)."""
+        examples, tokens = read_back(torch.cat([examples for examples, _ in self.calls]),
+                                     torch.cat([tokens for _, tokens in self.calls]))
+        out: list[list[int]] = [[] for _ in range(batch_size)]
+        for example, token in zip(examples, tokens):
+            if token != NOT_PRODUCED:
+                out[example].append(token)
+        return out
+
+
 class LiveRows:
     """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
 

@@ -36,7 +36,7 @@ from decoders.backbone import (cache_made_whole, cross_attention_mask, decoder_i
                                source_at_fixed_width)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
-from decoders.loop import LiveRows, NOT_PRODUCED, flat_decode_output
+from decoders.loop import CallTokens, LiveRows, NOT_PRODUCED, flat_decode_output
 
 
 def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list[int]:
@@ -82,20 +82,19 @@ def greedy_outputs(decoder: Decoder, model: PreTrainedModel, encoder_states: tor
     one, read back once, and the calls the batch took. The sequential decoder's generation, and
     that of a lookup decode that feeds no draft."""
     loop = fixed_shape_loop if decoder.compiles() else eager_loop
-    produced, calls = loop(decoder, model, encoder_states, attention_mask)
-    return [[t for t in row if t != NOT_PRODUCED] for row in produced.tolist()], calls
+    tokens, calls = loop(decoder, model, encoder_states, attention_mask)
+    return tokens.rows(encoder_states.size(0)), calls
 
 
 def eager_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
-               attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(B, bound) tokens produced (NOT_PRODUCED after a row's end) and the calls taken; finished
-    rows leave the batch and the cache."""
+               attention_mask: torch.Tensor) -> tuple[CallTokens, int]:
+    """Every call's tokens and the calls taken; finished rows leave the batch and the cache."""
     batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
     cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
     steps = growing_steps(model, bound)
     cache = DecoderCache(sizes(model.config).layers)
     rows = LiveRows(batch_size, device)
-    produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+    produced = CallTokens()
     step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
     run = decoder.model_step()
     for step in range(bound):
@@ -104,7 +103,7 @@ def eager_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.T
         hidden = run(model, step_input, bias, encoder_states, cross_mask, cache, slots,
                      positions)                                        # (live, 1, d_model)
         next_tokens = output_logits(model, hidden[:, -1]).argmax(-1)   # (live,)
-        produced[rows.index, step] = next_tokens
+        produced.add(rows.index, next_tokens)
         if step + 1 == bound:
             break
         kept = rows.drop_finished(next_tokens == decoder.special.eos, cache, encoder_states,
@@ -117,7 +116,7 @@ def eager_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.T
 
 
 def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
-                     attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+                     attention_mask: torch.Tensor) -> tuple[CallTokens, int]:
     """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
     shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a power of two,
     finished rows kept (their later tokens not produced) until the unfinished ones fit a batch of
@@ -131,7 +130,7 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     rows = LiveRows(batch_size, device)
     end = torch.tensor(decoder.special.eos, device=device)   # a tensor: no graph per end token
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-    produced = torch.full((batch_size, bound), NOT_PRODUCED, dtype=torch.long, device=device)
+    produced = CallTokens()
     step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
     compiled = {}   # shape -> its compiled step
     for step in range(bound):
@@ -141,9 +140,10 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
         shape = (step_input.size(0), encoder_states.size(1), slots.width, bound)
         if shape not in compiled:   # looked up once per decode: the lookup costs a share of a call
             compiled[shape] = fixed_shape_compiled(model, next_tokens, shape)
-        step_input, produced[rows.index, step], finished = compiled[shape](
+        step_input, kept, finished = compiled[shape](
             model, step_input, finished, end, bias, encoder_states, cross_mask, cache, slots,
             positions)
+        produced.add(rows.index, kept)
         if step + 1 == bound:
             break
         done = rows.read(finished)

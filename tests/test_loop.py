@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from decoders.loop import LiveRows, Stopwatch, send
+from decoders.loop import NOT_PRODUCED, CallTokens, LiveRows, Stopwatch, send
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -24,6 +24,16 @@ def test_dropped_rows_leave_every_row_tensor_and_the_index():
     assert kept.tolist() == [10, 12]
     assert rows.index.tolist() == [0, 2] and rows.kept == [0, 2]
     assert rows.drop([True, True], None, kept) is None
+
+
+def test_call_tokens_give_each_example_its_tokens_in_call_order():
+    """`CallTokens`: each call's tokens by its rows' examples, the rows shrinking as they end and
+    kept rows giving NOT_PRODUCED; read back as each example's tokens, in call order."""
+    tokens = CallTokens()
+    tokens.add(torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7]))
+    tokens.add(torch.tensor([0, 1, 2]), torch.tensor([8, NOT_PRODUCED, 9]))   # example 1 ended
+    tokens.add(torch.tensor([2, 0]), torch.tensor([3, 4]))                     # rows reordered
+    assert tokens.rows(4) == [[5, 8, 4], [6], [7, 9, 3], []]
 
 
 def test_a_stopwatch_adds_up_the_time_of_its_blocks_only():
