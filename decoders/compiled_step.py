@@ -6,10 +6,10 @@ is about a third of the call. A loop whose calls take a few fixed shapes needs n
 a shape's first call: `FixedShapeStep` traces the step once per shape into a graph of tensors
 (the model's weights, then every tensor its arguments hold, in `DecoderCache`s, tuples and lists
 too; of those, the ones the graph reads), compiles that graph with inductor, and calls it with
-those tensors, read from each call's arguments in the same order by one generated function. What the graph took as constants (the
-arguments' ints, None and other values) are checked at every call, and the sizes and strides of
-its tensors by the graph's C++ wrapper: a call in another shape fails instead of reading out of
-bounds.
+those tensors, read from each call's arguments in the same order by one generated function. What
+the graph took as constants (the arguments' ints, None and other values) are checked at every
+call, and the sizes and strides of its tensors by the graph's C++ wrapper: a call in another
+shape fails instead of reading out of bounds.
 
 A step that puts new tensors into its arguments (a cache it would make or grow) is not a
 function of the tensors it is given: it runs through torch.compile (its `fallback`), as does a

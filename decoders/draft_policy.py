@@ -182,11 +182,11 @@ class LoopChoice:
     size that compiled no step (a step compiles once per shape, in seconds, and a loop's first
     decodes compile most: that says nothing of its later ones): first DECODES_TO_COMPARE decodes of
     the verify loop, then of sequential decoding, then the faster, and now and then the other
-    (REVISIT_EVERY). Each comparison is a ratio of the verify loop's time to sequential decoding's, timed
-    in the same stretch: the first of the two loops' medians, then each revisit's over the chosen
-    loop's latest DECODES_TO_COMPARE decodes; the median of the latest COMPARISONS_KEPT decides. A
-    shared machine's speed drifts by more than the loops differ; a loop's times from decodes long
-    ago, against the other's of now, would choose by the drift."""
+    (REVISIT_EVERY). Each comparison is a ratio of the verify loop's time to sequential
+    decoding's, timed in the same stretch: the first of the two loops' medians, then each
+    revisit's over the chosen loop's latest DECODES_TO_COMPARE decodes; the median of the latest
+    COMPARISONS_KEPT decides. A shared machine's speed drifts by more than the loops differ; a
+    loop's times from decodes long ago, against the other's of now, would choose by the drift."""
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], deque[float]] = {}   # (rows, verify loop) -> latest
@@ -213,7 +213,8 @@ class LoopChoice:
             latest = statistics.median(self.seconds[rows, chosen])
             self.ratios[rows].append(seconds_per_token / latest if verified else latest / seconds_per_token)
             gap = self.revisits[rows][1]
-            gap = min(2 * gap, MOST_DECODES_BETWEEN_REVISITS) if self.chosen(rows) == chosen else REVISIT_EVERY
+            confirmed = self.chosen(rows) == chosen
+            gap = min(2 * gap, MOST_DECODES_BETWEEN_REVISITS) if confirmed else REVISIT_EVERY
             self.revisits[rows] = (self.decodes[rows] + gap, gap)
         self.seconds.setdefault((rows, verified), deque(maxlen=DECODES_TO_COMPARE)).append(seconds_per_token)
         self.decodes[rows] = self.decodes.get(rows, 0) + 1

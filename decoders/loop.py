@@ -96,7 +96,7 @@ class CallTokens:
     bookkeeping does."""
 
     def __init__(self):
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []   # (examples, tokens), (rows,) each
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []   # (examples, tokens), (rows,)
 
     def add(self, examples: torch.Tensor, tokens: torch.Tensor) -> None:
         """A call's `tokens` (rows,), NOT_PRODUCED where a row keeps none, of `examples` (rows,)."""
