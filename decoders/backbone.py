@@ -364,42 +364,51 @@ def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool
     return step is not None and step.made
 
 
-def cache_made_whole(model: PreTrainedModel, encoder_states: torch.Tensor,
-                     most_slots: int) -> DecoderCache:
-    """The cache of a fixed-shape decode, made whole before its first call: each layer's
-    self-attention keys and values zeros at `most_slots` slots, and its cross-attention keys and
-    values of the encoder's states (B, S, d_model) as the encoder gave them, padded with zeros to
-    the loop's source width (`fixed_source_width`): the positions padded are hidden by the cross
-    mask, so they cost no projection. One function per source width and bound, through
-    torch.compile with symbolic batch and source sizes (`compiled_for`). So every call of the loop,
-    its first included, only writes into tensors it is given, and runs as a graph of them
-    (`decoders.compiled_step`)."""
-    width = fixed_source_width(encoder_states.size(1))
-    parts_of = compiled_for(model, whole_cache_parts, ("whole cache", width, most_slots), dynamic=True)
-    parts = parts_of(model, encoder_states, width, most_slots)
+class FixedShapeStart(NamedTuple):
+    """What a fixed-shape decode starts from (`fixed_shape_start`)."""
+
+    cache: DecoderCache             # made whole before the first call
+    encoder_states: torch.Tensor    # (B, W, d_model) the source padded to its fixed width W
+    cross_mask: torch.Tensor        # (B, 1, 1, W) `cross_attention_mask` of the padded source
+
+
+def fixed_shape_start(model: PreTrainedModel, encoder_states: torch.Tensor,
+                      attention_mask: torch.Tensor, most_slots: int) -> FixedShapeStart:
+    """The start of a fixed-shape decode from the encoder's states (B, S, d_model) and padding
+    mask (B, S): the source padded to its fixed width (`source_at_fixed_width`), its cross mask,
+    and the cache made whole before the first call: each layer's self-attention keys and values
+    zeros at `most_slots` slots, its cross-attention keys and values those of the padded source
+    (the positions padded are hidden by the cross mask). So every call of the loop, its first
+    included, only writes into tensors it is given, and runs as a graph of them
+    (`decoders.compiled_step`). The mask and the cache are one step of fixed shapes too
+    (`fixed_shape_compiled`, one per rows, width and bound): through torch.compile with symbolic
+    sources, as the source's every length would otherwise need a graph, its call costs a small
+    model's decode on a CPU more than projecting the padded positions does."""
+    encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+    rows, width = attention_mask.shape
+    parts = fixed_shape_compiled(model, start_parts, ("start", rows, width, most_slots))(
+        model, encoder_states, attention_mask, most_slots)
     cache = DecoderCache(len(parts) // 4, most_slots)
-    cache.keys, cache.values = list(parts[2::4]), list(parts[3::4])
-    cache.encoder_keys_values = list(zip(parts[0::4], parts[1::4]))
+    cache.keys, cache.values = list(parts[2:-1:4]), list(parts[3:-1:4])
+    cache.encoder_keys_values = list(zip(parts[0:-1:4], parts[1:-1:4]))
     if family_of(model.config).caches_positions:
-        cache.positions = torch.zeros(encoder_states.size(0), most_slots, dtype=torch.long,
+        cache.positions = torch.zeros(rows, most_slots, dtype=torch.long,
                                       device=encoder_states.device)
-    return cache
+    return FixedShapeStart(cache, encoder_states, parts[-1])
 
 
-def whole_cache_parts(model: PreTrainedModel, encoder_states: torch.Tensor, width: int,
-                      most_slots: int) -> tuple[torch.Tensor, ...]:
-    """`cache_made_whole`'s tensors, four per decoder layer: its cross-attention keys and values,
-    each (B, heads, width, d_kv), zeros past the source's S positions, then its self-attention
-    keys and values, each (B, heads, most_slots, d_kv), zeros (an unwritten slot is hidden by the
-    bias, but NaN garbage would survive it)."""
+def start_parts(model: PreTrainedModel, encoder_states: torch.Tensor, attention_mask: torch.Tensor,
+                most_slots: int) -> tuple[torch.Tensor, ...]:
+    """`fixed_shape_start`'s tensors from the padded source: four per decoder layer, its
+    cross-attention keys and values, each (B, heads, W, d_kv), then its self-attention keys and
+    values, each (B, heads, most_slots, d_kv), zeros (an unwritten slot is hidden by the bias, but
+    NaN garbage would survive it); then the cross mask (B, 1, 1, W)."""
     family, parts = family_of(model.config), []
-    padding = (0, 0, 0, width - encoder_states.size(1))
     for layer in range(sizes(model.config).layers):
         keys, values = family.cross_keys_values(model, layer, encoder_states)
         empty = keys.new_zeros(*keys.shape[:2], most_slots, keys.size(-1))
-        parts += [nn.functional.pad(keys, padding), nn.functional.pad(values, padding), empty,
-                  empty.clone()]
-    return tuple(parts)
+        parts += [keys.contiguous(), values.contiguous(), empty, empty.clone()]
+    return (*parts, cross_attention_mask(attention_mask, encoder_states.dtype))
 
 
 def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,
@@ -417,12 +426,14 @@ def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
     `decoder.compile=true`: one function per model (`compiled_for`), symbolic shapes (a batch's
     source length and its number of real tokens change from batch to batch). At the built-in sizes
     on a CPU the eager encoder of one example costs as much as a few decoder calls; compiled, it
-    costs less than half that. A batch with padding, where the family runs the encoder itself,
-    runs it on the real tokens alone (`encode_real_tokens`; the padding's states are zeros, which
-    no decoder reads: every one masks the padding); a batch without, the model's encoder (at
-    batch size 1 that is about a tenth faster than the family's, which would gather and scatter
-    every token for nothing)."""
-    if family_of(model.config).encodes_real_tokens(model.config) and not attention_mask.all():
+    costs less than half that. A batch of several rows with padding, where the family runs the
+    encoder itself, runs it on the real tokens alone (`encode_real_tokens`; the padding's states
+    are zeros, which no decoder reads: every one masks the padding); any other batch, the model's
+    encoder (at batch size 1 that is about a tenth faster than the family's, which would gather
+    and scatter every token for nothing). A batch of one is not checked for padding: it has its
+    own length, and the check would read the device."""
+    if (input_ids.size(0) > 1 and family_of(model.config).encodes_real_tokens(model.config)
+            and not attention_mask.all()):
         real = attention_mask.flatten().nonzero().squeeze(1)   # (N,): found eagerly, N symbolic
         return compiled_for(model, encode_real_tokens, "encoder", dynamic=True)(
             model, input_ids, attention_mask, real)

@@ -3,7 +3,7 @@
 Every decoding loop passes the model step the slots its fed tokens' keys and values go to
 (`Slots`), as gpt-fast's cache update takes the input positions: the cache keeps no state of a
 call. The encoder's keys and values are computed at a decode's first call and kept, or, in a
-loop compiled for fixed shapes, before it (`backbone.cache_made_whole`).
+loop compiled for fixed shapes, before it (`backbone.fixed_shape_start`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class DecoderCache:
     """Per decoder layer: the self-attention keys and values, (B, heads, slots, d_kv) each, and the
     encoder's keys and values, computed at the first call. `most_slots` bounds the buffer of a loop
     whose rows write at their own slots: it grows by doubling up to it. A loop compiled for fixed
-    shapes is given its cache made whole before its first call (`backbone.cache_made_whole`), so
+    shapes is given its cache made whole before its first call (`backbone.fixed_shape_start`), so
     that its calls always find one buffer shape. A family whose layers read the positions of the
     keys they attend to (UMT5) keeps them too, (B or 1, slots) (`write_positions`)."""
 

@@ -14,7 +14,7 @@ shape fails instead of reading out of bounds.
 A step that puts new tensors into its arguments (a cache it would make or grow) is not a
 function of the tensors it is given: it runs through torch.compile (its `fallback`), as does a
 step that cannot be traced. The decoding loops make their cache whole before their first call
-(`backbone.cache_made_whole`), so every call of theirs runs as a graph.
+(`backbone.fixed_shape_start`), so every call of theirs runs as a graph.
 """
 from __future__ import annotations
 

@@ -24,9 +24,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from decoders.backbone import (cache_made_whole, cross_attention_mask, fixed_shape_greedy_step,
-                               has_fixed_shape_greedy_step, output_logits, sizes,
-                               source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, fixed_shape_greedy_step, fixed_shape_start,
+                               has_fixed_shape_greedy_step, output_logits, sizes)
 from decoders.base import DecodeOutput, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width
 from decoders.compiled_step import COMPILED_STEPS
@@ -338,9 +337,8 @@ class VerifyLoop:
         drafting = self.drafter.begin_drafts(
             self.model, Source(input_ids, attention_mask, encoder_states, cross_mask))
         if self.fixed_shapes:   # a cache made whole; the loop's own source padded to a few widths
-            cache = cache_made_whole(self.model, encoder_states, self.most_slots)
-            encoder_states, padded_mask = source_at_fixed_width(encoder_states, attention_mask)
-            cross_mask = cross_attention_mask(padded_mask, encoder_states.dtype)
+            cache, encoder_states, cross_mask = fixed_shape_start(self.model, encoder_states,
+                                                                  attention_mask, self.most_slots)
         else:
             cache = DecoderCache(sizes(self.model.config).layers, self.most_slots)
         live = LiveRows(batch_size, device)

@@ -63,10 +63,9 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import Choice, pad_batch, Range, SpecialTokens
-from decoders.backbone import (cache_made_whole, cross_attention_mask, encode, fixed_shape_compiled,
+from decoders.backbone import (cross_attention_mask, encode, fixed_shape_compiled, fixed_shape_start,
                                greedy_step_as_compiled, HeadTable, made_from_bias_weight,
-                               output_logits, past_distance_bias_table, run_decoder, sizes,
-                               source_at_fixed_width)
+                               output_logits, past_distance_bias_table, run_decoder, sizes)
 from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
 from decoders.base import OUTPUT_BOUND, DecodeOutput, Decoder, Option
 from decoders.loop import LiveRows, fixed_shape_rows, send, topped_up
@@ -352,21 +351,22 @@ class PipelinedDecoder(Decoder):
                                     length - 1))
         width = grid_width(length - 1)
         encoder_states = self.encoder_pass()(model, input_ids, attention_mask)
-        most_columns, cache = None, DecoderCache(sizes(model.config).layers)
         if self.compiles():   # fixed shapes: a cache of every column a call meets; the source padded
             # before a call the cache holds the most columns an example fed (`_pack`): at most its
             # output, its empty subsequences' end tokens and a last call's tokens cut by the bound;
             # a call adds at most one per slot
             most_columns = self.max_new_tokens + 3 * slots
-            cache = cache_made_whole(model, encoder_states, most_columns)
-            encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
+            cache, encoder_states, cross_mask = fixed_shape_start(model, encoder_states,
+                                                                  attention_mask, most_columns)
+        else:
+            most_columns, cache = None, DecoderCache(sizes(model.config).layers)
+            cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)
         padding_code = slots * width
         return Batch(model, self.model_step(), table, width, padding_code,
                      cache=cache,
                      rows=LiveRows(batch_size, device),
                      keys=torch.full((batch_size, most_columns or 0), padding_code, device=device),
-                     encoder_states=encoder_states,
-                     cross_mask=cross_attention_mask(attention_mask, encoder_states.dtype),
+                     encoder_states=encoder_states, cross_mask=cross_mask,
                      live=list(examples), most_columns=most_columns)
 
     def _start_subsequences(self, live: list[Example], step: int) -> None:

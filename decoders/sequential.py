@@ -30,10 +30,9 @@ from transformers import PreTrainedModel
 
 from decoders import register
 from datamodules.vocabulary import pad_batch
-from decoders.backbone import (cache_made_whole, cross_attention_mask, decoder_inputs,
-                               fixed_shape_compiled, greedy_step_as_compiled, made_from_bias_weight,
-                               output_logits, past_distance_bias_table, sizes,
-                               source_at_fixed_width)
+from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape_compiled,
+                               fixed_shape_start, greedy_step_as_compiled, made_from_bias_weight,
+                               output_logits, past_distance_bias_table, sizes)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
 from decoders.loop import CallTokens, LiveRows, NOT_PRODUCED, flat_decode_output
@@ -123,37 +122,35 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
     half the rows or fewer, which then holds them, topped up with finished rows to a power of
     two."""
     batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
-    cache = cache_made_whole(model, encoder_states, bound)   # from the source before it is padded
-    encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
-    cross_mask = cross_attention_mask(attention_mask, encoder_states.dtype)   # (B, 1, 1, S), once
+    cache, encoder_states, cross_mask = fixed_shape_start(model, encoder_states, attention_mask, bound)
     steps = fixed_shape_steps(model, bound, batch_size)
     rows = LiveRows(batch_size, device)
     end = torch.tensor(decoder.special.eos, device=device)   # a tensor: no graph per end token
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     produced = CallTokens()
     step_input = torch.full((batch_size, 1), decoder.special.start, dtype=torch.long, device=device)
-    compiled = {}   # shape -> its compiled step
+    compiled = {}   # attended slots' width -> the batch's compiled step
     for step in range(bound):
         bias, slots, positions = steps[step]
-        # one compiled function per shape: the rows, the source's and the attended slots' widths,
-        # the cache's slots
-        shape = (step_input.size(0), encoder_states.size(1), slots.width, bound)
-        if shape not in compiled:   # looked up once per decode: the lookup costs a share of a call
-            compiled[shape] = fixed_shape_compiled(model, next_tokens, shape)
-        step_input, kept, finished = compiled[shape](
-            model, step_input, finished, end, bias, encoder_states, cross_mask, cache, slots,
-            positions)
+        call = compiled.get(slots.width)
+        if call is None:   # looked up once per decode and rows: the lookup costs a share of a call
+            # one compiled function per shape: the rows, the source's and the attended slots'
+            # widths, the cache's slots
+            call = compiled[slots.width] = fixed_shape_compiled(
+                model, next_tokens, (step_input.size(0), encoder_states.size(1), slots.width, bound))
+        step_input, kept, finished = call(model, step_input, finished, end, bias, encoder_states,
+                                          cross_mask, cache, slots, positions)
         produced.add(rows.index, kept)
         if step + 1 == bound:
             break
         done = rows.read(finished)
         if all(done):
             break
-        dropped = rows_past_bucket(done)
-        if any(dropped):
+        dropped = rows_past_bucket(done) if any(done) else None   # none leaves before one ends
+        if dropped is not None and any(dropped):
             encoder_states, cross_mask, step_input, finished = rows.drop(
                 dropped, cache, encoder_states, cross_mask, step_input, finished)
-            steps = fixed_shape_steps(model, bound, step_input.size(0))
+            steps, compiled = fixed_shape_steps(model, bound, step_input.size(0)), {}
     return produced, step + 1
 
 
