@@ -381,9 +381,10 @@ def fixed_shape_start(model: PreTrainedModel, encoder_states: torch.Tensor,
     (the positions padded are hidden by the cross mask). So every call of the loop, its first
     included, only writes into tensors it is given, and runs as a graph of them
     (`decoders.compiled_step`). The mask and the cache are one step of fixed shapes too
-    (`fixed_shape_compiled`, one per rows, width and bound): through torch.compile with symbolic
-    sources, as the source's every length would otherwise need a graph, its call costs a small
-    model's decode on a CPU more than projecting the padded positions does."""
+    (`fixed_shape_compiled`, one per rows, width and bound), so the cross-attention keys and
+    values of the padded positions are projected as well: a function of the unpadded source would
+    run through torch.compile with symbolic lengths, whose call costs a small model's decode on a
+    CPU more than those positions do."""
     encoder_states, attention_mask = source_at_fixed_width(encoder_states, attention_mask)
     rows, width = attention_mask.shape
     parts = fixed_shape_compiled(model, start_parts, ("start", rows, width, most_slots))(
