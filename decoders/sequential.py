@@ -146,8 +146,8 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
         done = rows.read(finished)
         if all(done):
             break
-        dropped = rows_past_bucket(done) if any(done) else None   # none leaves before one ends
-        if dropped is not None and any(dropped):
+        # no row leaves before one has ended
+        if any(done) and any(dropped := rows_past_bucket(done)):
             encoder_states, cross_mask, step_input, finished = rows.drop(
                 dropped, cache, encoder_states, cross_mask, step_input, finished)
             steps, compiled = fixed_shape_steps(model, bound, step_input.size(0)), {}
