@@ -188,7 +188,7 @@ def hidden_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def source_at_fixed_width(encoder_states: torch.Tensor,
                           attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoder's states (B, S, d_model) and padding mask (B, S), padded with hidden positions
-    to the next power of two (at least 16): a step compiled for fixed shapes meets a few source
+    to a fixed width (`fixed_source_width`): a step compiled for fixed shapes meets a few source
     widths, not every source length. The cross-attention hides the added positions, so every
     token's state is what it was."""
     length = encoder_states.size(1)
@@ -198,8 +198,13 @@ def source_at_fixed_width(encoder_states: torch.Tensor,
 
 
 def fixed_source_width(length: int) -> int:
-    """The width `source_at_fixed_width` pads a source of `length` positions to."""
-    return max(16, power_of_two_holding(length))
+    """The width `source_at_fixed_width` pads a source of `length` positions to: the least power
+    of two, or three quarters of one, that holds it (at least 16). Each call of a step reads its
+    source's keys and values at that width, so its padding costs every call; widths three
+    quarters apart pad a source by a third at most, at twice the shapes of powers of two."""
+    width = max(16, power_of_two_holding(length))
+    three_quarters = width * 3 // 4
+    return three_quarters if width > 16 and length <= three_quarters else width
 
 
 def cross_attention_mask(encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -131,6 +131,27 @@ class DecoderCache:
         if self.positions is not None and self.positions.size(0) > 1:
             self.positions = self.positions[keep]
 
+    def shrink_rows(self, rows: int, moved: torch.Tensor | None, places: torch.Tensor | None,
+                    written: int) -> None:
+        """Rows `moved` written over rows `places` ((n,) longs each; None: none), in place, then
+        the first `rows` rows kept as views of the same memory: a fixed-shape batch shrinking
+        without copying the rows that stay. The self-attention parts copy their first `written`
+        slots: a fixed-shape loop writes every row at the same slots, so the later ones are still
+        zeros in every row."""
+        if moved is not None:
+            written_parts = [part[:, :, :written] for part in (*self.keys, *self.values)]
+            whole_parts = [part for pair in self.encoder_keys_values for part in pair]
+            if self.positions is not None and self.positions.size(0) > 1:
+                whole_parts.append(self.positions)
+            for part in written_parts + whole_parts:
+                part.index_copy_(0, places, part.index_select(0, moved))
+        self.keys = [t[:rows] for t in self.keys]
+        self.values = [t[:rows] for t in self.values]
+        self.encoder_keys_values = [(keys[:rows], values[:rows])
+                                    for keys, values in self.encoder_keys_values]
+        if self.positions is not None and self.positions.size(0) > 1:
+            self.positions = self.positions[:rows]
+
     def gather_slots(self, order: torch.Tensor) -> None:
         """Keep, for each row b, the self-attention slots `order[b]` ((live, K') longs), in that
         order, in every layer: drops slots a row does not need and packs the rest to the front."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -113,6 +114,15 @@ class CallTokens:
         return out
 
 
+class ShrunkRows(NamedTuple):
+    """How a batch of fixed-shape calls shrinks in place: it keeps its first `rows` rows, after
+    its rows `moved` were written over its rows `places` (finished ones among those first)."""
+
+    rows: int
+    moved: list[int]
+    places: list[int]
+
+
 class LiveRows:
     """The rows of a batch still being decoded, and the one host synchronisation per decoder call.
 
@@ -152,6 +162,26 @@ class LiveRows:
                 cache.select_rows(keep)
             row_tensors = tuple(t[keep] for t in row_tensors)
         return row_tensors
+
+    def shrink(self, shrunk: ShrunkRows, cache: DecoderCache, written: int,
+               *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Shrink a fixed-shape batch (`ShrunkRows`) in place: the cache (its self-attention
+        slots before `written`, `DecoderCache.shrink_rows`) and every tensor of `row_tensors`
+        (each (live, ...), the loop's own); `index` as a new tensor, since earlier calls' tokens
+        hold it. Returns the kept rows of each row tensor, views of the same memory. `kept` lists
+        the kept rows' positions in the last call."""
+        places = dict(zip(shrunk.places, shrunk.moved))
+        self.kept = [places.get(row, row) for row in range(shrunk.rows)]
+        if shrunk.moved:
+            moved, places = (send(rows, self.index.device) for rows in (shrunk.moved, shrunk.places))
+            cache.shrink_rows(shrunk.rows, moved, places, written)
+            self.index = self.index.index_copy(0, places, self.index.index_select(0, moved))
+            for tensor in row_tensors:
+                tensor.index_copy_(0, places, tensor.index_select(0, moved))
+        else:
+            cache.shrink_rows(shrunk.rows, None, None, written)
+        self.index = self.index[:shrunk.rows]
+        return tuple(tensor[:shrunk.rows] for tensor in row_tensors)
 
     def drop_finished(self, finished: torch.Tensor, cache: DecoderCache | None,
                       *row_tensors: torch.Tensor):

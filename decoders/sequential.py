@@ -14,9 +14,9 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         Compiled (`decoder.compile`), its calls take a few fixed shapes: a cache of the bound's
         slots, made whole before the first call, written at slot = step and attended in widths of
         ATTENDED_SLOTS_STEP slots (those past the step hidden by the bias), the source padded to a
-        power of two, and the finished rows kept in the batch (their tokens discarded) until the
-        unfinished ones fit half of it, when it shrinks to the power of two that holds them; so a
-        few graphs per batch size and source width serve every step of every decode. Its compiled
+        few widths, and the finished rows kept in the batch (their tokens discarded) until the
+        unfinished ones fit half of it, when it shrinks in place to the power of two that holds
+        them; so a few graphs per batch size and source width serve every step of every decode. Its compiled
         step is the whole call: the decoder layers, the output head, the argmax and the loop's
         bookkeeping of the step (which rows finished, the token each row keeps), `next_tokens`
         through `backbone.fixed_shape_compiled`.
@@ -35,7 +35,7 @@ from decoders.backbone import (cross_attention_mask, decoder_inputs, fixed_shape
                                output_logits, past_distance_bias_table, sizes)
 from decoders.base import OUTPUT_BOUND, Decoder
 from decoders.cache import DecoderCache, Slots, attended_width, power_of_two_holding
-from decoders.loop import CallTokens, LiveRows, NOT_PRODUCED, flat_decode_output
+from decoders.loop import CallTokens, LiveRows, NOT_PRODUCED, ShrunkRows, flat_decode_output
 
 
 def join_subsequences(subsequences: list[list[int]], sep: int, eos: int) -> list[int]:
@@ -117,10 +117,10 @@ def eager_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.T
 def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: torch.Tensor,
                      attention_mask: torch.Tensor) -> tuple[CallTokens, int]:
     """The eager loop's tokens and calls, every call in one of a few shapes, compiled once per
-    shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a power of two,
-    finished rows kept (their later tokens not produced) until the unfinished ones fit a batch of
-    half the rows or fewer, which then holds them, topped up with finished rows to a power of
-    two."""
+    shape (`next_tokens` through `fixed_shape_compiled`): the source padded to a few widths
+    (`backbone.fixed_source_width`), finished rows kept (their later tokens not produced) until
+    the unfinished ones fit a batch of half the rows or fewer, which then holds them, topped up
+    with finished rows to a power of two (`shrunk_rows`)."""
     batch_size, device, bound = encoder_states.size(0), encoder_states.device, decoder.max_new_tokens
     cache, encoder_states, cross_mask = fixed_shape_start(model, encoder_states, attention_mask, bound)
     steps = fixed_shape_steps(model, bound, batch_size)
@@ -147,10 +147,10 @@ def fixed_shape_loop(decoder: Decoder, model: PreTrainedModel, encoder_states: t
         if all(done):
             break
         # no row leaves before one has ended
-        if any(done) and any(dropped := rows_past_bucket(done)):
-            encoder_states, cross_mask, step_input, finished = rows.drop(
-                dropped, cache, encoder_states, cross_mask, step_input, finished)
-            steps, compiled = fixed_shape_steps(model, bound, step_input.size(0)), {}
+        if any(done) and (shrunk := shrunk_rows(done)).rows < len(done):
+            encoder_states, cross_mask, step_input, finished = rows.shrink(
+                shrunk, cache, step + 1, encoder_states, cross_mask, step_input, finished)
+            steps, compiled = fixed_shape_steps(model, bound, shrunk.rows), {}
     return produced, step + 1
 
 
@@ -165,21 +165,18 @@ def next_tokens(model: PreTrainedModel, step_input: torch.Tensor, finished: torc
     return tokens, token.masked_fill(finished, NOT_PRODUCED), finished | (token == end)
 
 
-def rows_past_bucket(done: list[bool]) -> list[bool]:
-    """Which rows a fixed-shape batch drops, given which are `done`: none while the unfinished
-    rows need a power of two of rows at least the batch's; else the finished rows beyond that
-    power of two (the first ones kept), so that the batch takes few sizes."""
-    unfinished = done.count(False)
-    size = power_of_two_holding(unfinished)
+def shrunk_rows(done: list[bool]) -> ShrunkRows:
+    """How a fixed-shape batch shrinks, given which rows are `done`: to the power of two that holds
+    its unfinished rows, once that is fewer rows than it has (else it keeps them all), each
+    unfinished row past those moved into the place of a finished one before it; the other
+    finished rows before it stay, to fill it. So the batch takes few sizes, and the rows that stay
+    in place are not copied."""
+    size = power_of_two_holding(done.count(False))
     if size >= len(done):
-        return [False] * len(done)
-    spare = size - unfinished                           # finished rows kept to fill it
-    dropped = []
-    for d in done:
-        keep_finished = d and spare > 0
-        spare -= keep_finished
-        dropped.append(d and not keep_finished)
-    return dropped
+        return ShrunkRows(len(done), [], [])
+    moved = [row for row in range(size, len(done)) if not done[row]]
+    places = [row for row in range(size) if done[row]][:len(moved)]
+    return ShrunkRows(size, moved, places)
 
 
 class Step(NamedTuple):

@@ -21,7 +21,8 @@ from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
 from decoders.families import family_of
-from decoders.sequential import rows_past_bucket
+from decoders.loop import ShrunkRows
+from decoders.sequential import shrunk_rows
 from decoders.transformers_internals import set_attention_implementation
 from tasks.bench import bounded, with_drafter
 from tasks.comparison.plan import training_key
@@ -216,16 +217,17 @@ def recorded_against_eager(eager, compiled, model, batch, monkeypatch):
     return out, list(zip(*shapes)), rows
 
 
-def test_a_fixed_shape_batch_drops_finished_rows_only_down_to_a_power_of_two():
-    assert rows_past_bucket([False] * 16) == [False] * 16
-    assert rows_past_bucket([True] * 7 + [False] * 9) == [False] * 16      # 9 need 16 rows
-    # 8 unfinished fit 8 rows: every finished row goes
-    assert rows_past_bucket([True, False] * 8) == [True, False] * 8
-    # 5 unfinished need 8 rows: the first 3 finished rows stay to fill them
-    assert rows_past_bucket([True] * 11 + [False] * 5) == [False] * 3 + [True] * 8 + [False] * 5
-    assert rows_past_bucket([False, True, True]) == [False, True, True]     # 1 row of 3
-    assert rows_past_bucket([True, False, False]) == [True, False, False]   # 2 of 3 fit 2 rows
-    assert rows_past_bucket([False] * 5) == [False] * 5
+def test_a_fixed_shape_batch_shrinks_only_down_to_a_power_of_two_moving_the_rows_past_it():
+    assert shrunk_rows([False] * 16) == ShrunkRows(16, [], [])
+    assert shrunk_rows([True] * 7 + [False] * 9) == ShrunkRows(16, [], [])   # 9 need 16 rows
+    # 8 unfinished fit 8 rows: those past the first 8 take the finished rows' places among them
+    assert shrunk_rows([True, False] * 8) == ShrunkRows(8, [9, 11, 13, 15], [0, 2, 4, 6])
+    # 5 unfinished need 8 rows: all five past them move, the other 3 finished rows stay to fill
+    assert shrunk_rows([True] * 11 + [False] * 5) == ShrunkRows(8, [11, 12, 13, 14, 15],
+                                                                [0, 1, 2, 3, 4])
+    assert shrunk_rows([False, True, True]) == ShrunkRows(1, [], [])          # 1 row of 3
+    assert shrunk_rows([True, False, False]) == ShrunkRows(2, [2], [0])       # 2 of 3 fit 2 rows
+    assert shrunk_rows([False] * 5) == ShrunkRows(5, [], [])
 
 
 @pytest.mark.parametrize("model_type", ["t5", "umt5", "bart", "marian"])
