@@ -200,8 +200,9 @@ def source_at_fixed_width(encoder_states: torch.Tensor,
 def fixed_source_width(length: int) -> int:
     """The width `source_at_fixed_width` pads a source of `length` positions to: the least power
     of two, or three quarters of one, that holds it (at least 16). Each call of a step reads its
-    source's keys and values at that width, so its padding costs every call; widths three
-    quarters apart pad a source by a third at most, at twice the shapes of powers of two."""
+    source's keys and values at that width, so its padding costs every call: these widths pad a
+    source to less than 1.5 times its length (powers of two alone: 2 times), at twice the
+    shapes."""
     width = max(16, power_of_two_holding(length))
     three_quarters = width * 3 // 4
     return three_quarters if width > 16 and length <= three_quarters else width

@@ -15,8 +15,8 @@ import decoders.base
 import decoders.drafts
 import decoders.pipelined
 import decoders.sequential
-from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_run_decoder, encode, greedy_step,
-                               run_decoder)
+from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_run_decoder, encode,
+                               fixed_source_width, greedy_step, run_decoder)
 from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
@@ -215,6 +215,12 @@ def recorded_against_eager(eager, compiled, model, batch, monkeypatch):
     assert rows[0] == len(batch[0]) and rows == sorted(rows, reverse=True)
     assert all(size & (size - 1) == 0 for size in set(rows) - {len(batch[0])})
     return out, list(zip(*shapes)), rows
+
+
+def test_a_fixed_shape_source_is_padded_to_a_power_of_two_or_three_quarters_of_one():
+    widths = [fixed_source_width(length) for length in (1, 16, 17, 25, 33, 49, 64, 65, 97, 129)]
+    assert widths == [16, 16, 24, 32, 48, 64, 64, 96, 128, 192]
+    assert all(length <= fixed_source_width(length) < 1.5 * length for length in range(17, 2049))
 
 
 def test_a_fixed_shape_batch_shrinks_only_down_to_a_power_of_two_moving_the_rows_past_it():
