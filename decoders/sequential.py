@@ -16,10 +16,10 @@ Decode: greedy, cached: feed `b`, then each argmax token, one decoder call per t
         ATTENDED_SLOTS_STEP slots (those past the step hidden by the bias), the source padded to a
         few widths, and the finished rows kept in the batch (their tokens discarded) until the
         unfinished ones fit half of it, when it shrinks in place to the power of two that holds
-        them; so a few graphs per batch size and source width serve every step of every decode. Its compiled
-        step is the whole call: the decoder layers, the output head, the argmax and the loop's
-        bookkeeping of the step (which rows finished, the token each row keeps), `next_tokens`
-        through `backbone.fixed_shape_compiled`.
+        them; so a few graphs per batch size and source width serve every step of every decode.
+        Its compiled step is the whole call: the decoder layers, the output head, the argmax and
+        the loop's bookkeeping of the step (which rows finished, the token each row keeps),
+        `next_tokens` through `backbone.fixed_shape_compiled`.
 """
 from __future__ import annotations
 
