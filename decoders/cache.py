@@ -138,10 +138,11 @@ class DecoderCache:
         without copying the rows that stay. The self-attention parts copy their first `written`
         slots: a fixed-shape loop writes every row at the same slots, so the later ones are still
         zeros in every row."""
+        per_row_positions = self.positions is not None and self.positions.size(0) > 1
         if moved is not None:
             written_parts = [part[:, :, :written] for part in (*self.keys, *self.values)]
             whole_parts = [part for pair in self.encoder_keys_values for part in pair]
-            if self.positions is not None and self.positions.size(0) > 1:
+            if per_row_positions:
                 whole_parts.append(self.positions)
             for part in written_parts + whole_parts:
                 part.index_copy_(0, places, part.index_select(0, moved))
@@ -149,7 +150,7 @@ class DecoderCache:
         self.values = [t[:rows] for t in self.values]
         self.encoder_keys_values = [(keys[:rows], values[:rows])
                                     for keys, values in self.encoder_keys_values]
-        if self.positions is not None and self.positions.size(0) > 1:
+        if per_row_positions:
             self.positions = self.positions[:rows]
 
     def gather_slots(self, order: torch.Tensor) -> None:

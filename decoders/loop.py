@@ -170,16 +170,15 @@ class LiveRows:
         (each (live, ...), the loop's own); `index` as a new tensor, since earlier calls' tokens
         hold it. Returns the kept rows of each row tensor, views of the same memory. `kept` lists
         the kept rows' positions in the last call."""
-        places = dict(zip(shrunk.places, shrunk.moved))
-        self.kept = [places.get(row, row) for row in range(shrunk.rows)]
+        came_from = dict(zip(shrunk.places, shrunk.moved))
+        self.kept = [came_from.get(row, row) for row in range(shrunk.rows)]
+        moved = places = None
         if shrunk.moved:
             moved, places = (send(rows, self.index.device) for rows in (shrunk.moved, shrunk.places))
-            cache.shrink_rows(shrunk.rows, moved, places, written)
             self.index = self.index.index_copy(0, places, self.index.index_select(0, moved))
             for tensor in row_tensors:
                 tensor.index_copy_(0, places, tensor.index_select(0, moved))
-        else:
-            cache.shrink_rows(shrunk.rows, None, None, written)
+        cache.shrink_rows(shrunk.rows, moved, places, written)
         self.index = self.index[:shrunk.rows]
         return tuple(tensor[:shrunk.rows] for tensor in row_tensors)
 
