@@ -14,7 +14,8 @@ from tasks.comparison.plan import (BACKBONES, check_checkpoint, on_sequential, p
                                    parse_decoders, plan, row_label, row_settings, settings_label,
                                    training_label, user_sets)
 from tasks.comparison import report
-from tasks.comparison.measure import interleaved_passes
+from decoders.compiled_step import COMPILED_STEPS
+from tasks.comparison.measure import WARM_UP_PASSES, compiled_warm_up, interleaved_passes
 from tasks.comparison.result import counter_figures
 from tasks.comparison.report import judge, markdown, plot_sweep, summary_metrics, sweep_series
 from tasks.cli import COMMIT_VARIABLE, command_line, source_commit
@@ -30,6 +31,25 @@ ROW_KEYS = {"decoder", "options", "quality", "examples_per_second_bs1", "example
             "speedup_bs1", "speedup_batch", "decoder_calls_per_example", "reference_calls_per_example",
             "tokens_per_call", "bound_hits", "peak_memory_mb", "training", "trained_parameters",
             "fit_seconds", "counters_per_call", "decode_time_shares", "example_seconds_bs1"}
+
+
+@pytest.mark.parametrize("compiling_passes", [0, 1, 2, WARM_UP_PASSES + 1])
+def test_a_compiling_decoder_warms_up_until_a_pass_compiles_nothing(compiling_passes):
+    """A decoder whose first decodes compile steps (a measured default may take a second loop
+    after its first pass) is warmed up pass by pass over every batch until one compiles nothing,
+    and at most WARM_UP_PASSES passes."""
+    decoded, before = [], len(COMPILED_STEPS)
+
+    def decode(batch):
+        if len(decoded) < compiling_passes * 3:   # this pass compiles a step
+            COMPILED_STEPS.append("a step")
+        decoded.append(batch["id"])
+    try:
+        seconds = compiled_warm_up(decode, [{"id": i} for i in range(3)])
+    finally:
+        del COMPILED_STEPS[before:]
+    passes = min(compiling_passes + 1, WARM_UP_PASSES)
+    assert decoded == [0, 1, 2] * passes and seconds >= 0
 
 
 @pytest.mark.slow

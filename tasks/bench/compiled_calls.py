@@ -8,8 +8,9 @@ encoder through `decoders.backbone.compiled_encode`; every decoder call through 
 sequential's, the verify loop's (blockwise, lookup, aggressive) and pipelined's greedy step for
 fixed shapes, `decoders.backbone.fixed_shape_greedy_step`, sequential's and pipelined's with their
 own bookkeeping around it, nar's layers for symbolic ones, `compiled_run_decoder`), at batch size 1
-and at --batch-size, on one thread with denormals flushed: a warm-up pass per mode (where
-compilation happens: its seconds are printed), then --repeats passes, in each of which every
+and at --batch-size, on one thread with denormals flushed: a warm-up per mode (one pass eagerly;
+compiled, passes until one compiles nothing, `tasks.comparison.measure.compiled_warm_up`: where
+compilation happens, its seconds printed), then --repeats passes, in each of which every
 decoder and batch size decodes eagerly and then compiled, one after the other, so that the
 machine's drifts touch both modes alike.
 
@@ -26,6 +27,7 @@ import time
 
 import torch
 
+from tasks.comparison.measure import compiled_warm_up
 from tasks.comparison.plan import parse_checkpoints
 from tasks.runs.restore import restore_as_trained
 
@@ -61,8 +63,12 @@ def decode(decoder, backbone, batches) -> tuple[float, list]:
     return time.perf_counter() - started, outputs
 
 
-warmup = {(name, mode): sum(decode(modes[mode], backbone, batches)[0] for batches in sizes.values())
-          for name, (modes, backbone, sizes) in decoders.items() for mode in MODES}
+warmup = {}
+for name, (modes, backbone, sizes) in decoders.items():
+    everything = [batch for batches in sizes.values() for batch in batches]
+    warmup[name, "eager"] = decode(modes["eager"], backbone, everything)[0]
+    warmup[name, "compiled"] = compiled_warm_up(
+        lambda batch: decode(modes["compiled"], backbone, [batch]), everything)
 passes = [{(name, label, mode): decode(modes[mode], backbone, batches)
            for name, (modes, backbone, sizes) in decoders.items()
            for label, batches in sizes.items() for mode in MODES}

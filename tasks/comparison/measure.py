@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device
 from tqdm.auto import tqdm
 
+from decoders.compiled_step import COMPILED_STEPS
 from tasks.comparison.plan import Row
 from tasks.module import GenerationTask, subsequence_texts, task_scores, timed_generate
 from tasks.runs.trainer import DecodeTarget
@@ -110,6 +111,28 @@ def device_batches(datamodule, examples: list, batch_size: int, device) -> list[
             for i in range(0, len(examples), batch_size)]
 
 
+# The most warm-up passes over the batches of a decoder that compiles its calls (`compiled_warm_up`).
+WARM_UP_PASSES = 3
+
+
+def compiled_warm_up(decode: Callable[[dict], object], batches: list[dict]) -> float:
+    """Seconds of warming up a decoder that compiles its calls (`decoder.compile`) on the `batches`
+    it will be timed on: passes of `decode` over every batch until one compiles no new fixed-shape
+    step (`decoders.compiled_step.COMPILED_STEPS`), at most `WARM_UP_PASSES`. Each new shape
+    compiles once, and a decoder whose default chooses its loop from the call costs it measured
+    (blockwise, lookup) may take another loop, of other shapes, after its first decodes: one pass
+    would leave those to compile inside the timed passes."""
+    seconds = 0.0
+    for _ in range(WARM_UP_PASSES):
+        compiled, started = len(COMPILED_STEPS), time.perf_counter()
+        for batch in batches:
+            decode(batch)
+        seconds += time.perf_counter() - started
+        if len(COMPILED_STEPS) == compiled:
+            break
+    return seconds
+
+
 def interleaved_passes(timers: dict, batches: list[dict], repeats: int,
                        on_pass: Callable[[], None] = lambda: None) -> dict[object, list[list]]:
     """`repeats` passes over `batches`, each batch decoded by every timer (key -> a function of a
@@ -182,8 +205,11 @@ def measure_speed(rows: list[Row], target: DecodeTarget, batch_size: int, repeat
         target.place(row.module)
     with flushed_denormals(device) as flushed, torch.inference_mode(), target.context():
         for row in rows:
-            for batch in singles[:3] + batches[:1]:
-                time_row(row, batch)
+            if row.module.decoder.compiled_calls:
+                compiled_warm_up(partial(time_row, row), singles + batches)
+            else:
+                for batch in singles[:3] + batches[:1]:
+                    time_row(row, batch)
         timed_on = str(next(rows[0].module.parameters()).device)
         timers = {id(row): partial(time_row, row) for row in rows}
         with tqdm(total=2 * repeats, desc="timing decoders (passes)") as bar:

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from decoders.base import DecodeOutput, SpecialTokens
 from decoders.loop import Stopwatch, flat_decode_output, through_end
 from tasks.cli import source_commit
-from tasks.comparison.measure import PeakMemory, interleaved_passes
+from tasks.comparison.measure import PeakMemory, compiled_warm_up, interleaved_passes
 from tasks.config import ConfigError
 
 PRECISIONS = ("fp32", "bf16")
@@ -184,14 +184,17 @@ class Timing:
 def time_decoders(modules: dict, batches: list[dict], device: torch.device, precision: str,
                   repeats: int) -> dict[str, Timing]:
     """Every module of `modules` (name -> an object with `.decoder` and `.backbone`) timed on the
-    same `batches` (already on `device`): a warm-up decode each (of every batch for a decoder that
-    compiles its calls, whose every new shape compiles once), then `repeats` passes, the modules
+    same `batches` (already on `device`): a warm-up decode each (for a decoder that compiles its
+    calls, passes over every batch until nothing new compiles: `compiled_warm_up`), then `repeats`
+    passes, the modules
     taking turns on each batch (`interleaved_passes`) so that the machine's drifts touch all of
     them alike."""
     for module in modules.values():
-        compiles = getattr(module.decoder, "compiled_calls", False)
-        for batch in batches if compiles else batches[:1]:
-            timed(module.decoder, module.backbone, batch, device, precision)
+        warming = partial(timed, module.decoder, module.backbone, device=device, precision=precision)
+        if getattr(module.decoder, "compiled_calls", False):
+            compiled_warm_up(warming, batches)
+        else:
+            warming(batches[0])
     timers = {name: partial(timed, module.decoder, module.backbone, device=device, precision=precision)
               for name, module in modules.items()}
     passes = interleaved_passes(timers, batches, repeats)
