@@ -186,17 +186,15 @@ def time_decoders(modules: dict, batches: list[dict], device: torch.device, prec
     """Every module of `modules` (name -> an object with `.decoder` and `.backbone`) timed on the
     same `batches` (already on `device`): a warm-up decode each (for a decoder that compiles its
     calls, passes over every batch until nothing new compiles: `compiled_warm_up`), then `repeats`
-    passes, the modules
-    taking turns on each batch (`interleaved_passes`) so that the machine's drifts touch all of
-    them alike."""
-    for module in modules.values():
-        warming = partial(timed, module.decoder, module.backbone, device=device, precision=precision)
-        if getattr(module.decoder, "compiled_calls", False):
-            compiled_warm_up(warming, batches)
-        else:
-            warming(batches[0])
+    passes, the modules taking turns on each batch (`interleaved_passes`) so that the machine's
+    drifts touch all of them alike."""
     timers = {name: partial(timed, module.decoder, module.backbone, device=device, precision=precision)
               for name, module in modules.items()}
+    for name, module in modules.items():
+        if getattr(module.decoder, "compiled_calls", False):
+            compiled_warm_up(timers[name], batches)
+        else:
+            timers[name](batches[0])
     passes = interleaved_passes(timers, batches, repeats)
     seconds = {name: [sum(s for _, s in runs) for runs in passes[name]] for name in modules}
     outputs = {name: [out for out, _ in passes[name][-1]] for name in modules}
