@@ -230,18 +230,19 @@ def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torc
     `positions` ((B or 1, Q) longs): each fed token's position in its output, which a family with
     absolute positions (`families.Family.absolute_positions`) embeds; T5 reads positions from the bias.
     `position_embeddings` ((B or 1, Q, d_model)), if given, are added to the token embeddings.
-    `attention`: the attention implementation the layers run, one of STRUCTURED_ATTENTION; the
-    model's own (`attn_implementation`) by default. Both give the same states.
+    `attention`: the attention implementation the layers run, one of STRUCTURED_ATTENTION, or
+    "looped" (eager's arithmetic as loops, for a compiled step on a CPU: `greedy_step_as_compiled`);
+    the model's own (`attn_implementation`) by default. All give the same states.
 
     The layers run from the backbone's own modules and weights, as the model's own layers run them
     (the same operations, in the same order), without their per-call bookkeeping: a decoder call of
     a small model on a CPU is mostly Python, and that bookkeeping (cache lookups, kwargs, masks
     rebuilt, the attention dispatch) costs more than the arithmetic.
     """
-    if attention is not None and attention not in STRUCTURED_ATTENTION:
-        raise ValueError(f"attention={attention!r}; allowed: {STRUCTURED_ATTENTION}")
+    if attention is not None and attention not in _ATTEND:
+        raise ValueError(f"attention={attention!r}; allowed: {tuple(_ATTEND)}")
     implementation = attention or attention_implementation(model.config)
-    if implementation not in STRUCTURED_ATTENTION:
+    if implementation not in _ATTEND:   # the model's own
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
     cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
@@ -292,7 +293,24 @@ def _sdpa_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor
     return attended.transpose(1, 2).flatten(2)
 
 
-_ATTEND = {"eager": _eager_attention, "sdpa": _sdpa_attention}
+def _looped_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, scores_added: torch.Tensor, scale: float) -> torch.Tensor:
+    """Eager attention's arithmetic, for a step compiled on a CPU: with several queries per row
+    its two products as broadcast products and sums, which inductor runs as loops fused with the
+    softmax, not as batched matrix products (at a decoder call's few queries a BLAS call costs
+    more than its arithmetic; inductor already loops over one query's)."""
+    if query.size(-2) == 1:
+        return _eager_attention(attention, query, key, value, scores_added, scale)
+    scores = (query[..., None, :] * key[..., None, :, :]).sum(-1)           # (B, heads, Q, keys)
+    if scale != 1.0:
+        scores = scores * scale
+    weights = nn.functional.softmax(scores + scores_added, dim=-1)
+    weights = nn.functional.dropout(weights, p=attention.dropout, training=attention.training)
+    attended = (weights[..., None] * value[..., None, :, :]).sum(-2)        # (B, heads, Q, d_kv)
+    return attended.transpose(1, 2).flatten(2)
+
+
+_ATTEND = {"eager": _eager_attention, "sdpa": _sdpa_attention, "looped": _looped_attention}
 
 
 # Dynamo keeps one list of graphs for `run_decoder`: each model, cache kind (appending, per-row
@@ -350,7 +368,7 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
     key = _compiled_key(model, function, ("fixed shape", shape))
     if key not in steps:
         # Dynamo's guards check the fallback's inputs already
-        fallback = compiled_for(model, function, shape, dynamic=False,
+        fallback = compiled_for(model, function, shape,
                                 **{**FIXED_SHAPE_OPTIONS, "size_asserts": False})
         steps[key] = FixedShapeStep(function, fallback, FIXED_SHAPE_OPTIONS)
     return steps[key]
@@ -358,9 +376,11 @@ def fixed_shape_compiled(model: PreTrainedModel, function: Callable, shape: Hash
 
 # inductor's options for a step of fixed shapes (`fixed_shape_compiled`); `size_asserts`: the C++
 # wrapper checks every input's size and stride, so a call in another shape fails, not reads out of
-# bounds
+# bounds; `always_keep_tensor_constants`: a weight of one or a few values stays a tensor the graph
+# reads (`compiled_step`), not a number compiled into it
 FIXED_SHAPE_OPTIONS = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}},
-                       "memory_planning": True, "size_asserts": True}
+                       "memory_planning": True, "size_asserts": True,
+                       "always_keep_tensor_constants": True}
 
 
 def has_fixed_shape_greedy_step(model: PreTrainedModel, shape: Hashable) -> bool:
@@ -420,58 +440,80 @@ def start_parts(model: PreTrainedModel, encoder_states: torch.Tensor, attention_
 
 def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,
                             *step: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`greedy_step` with the attention a compiled step runs: on a CPU plain products and a
-    softmax, which inductor fuses with the ops around them (SDPA's CPU kernel costs more than its
-    arithmetic at a decoder call's sizes); elsewhere the model's own."""
+    """`greedy_step` with the attention a compiled step runs: on a CPU eager's arithmetic as loops
+    (`_looped_attention`), which inductor fuses with the ops around them (SDPA's CPU kernel costs
+    more than its arithmetic at a decoder call's sizes); elsewhere the model's own."""
     on_cpu = input_ids.device.type == "cpu"   # Dynamo guards on the device: a graph per device
-    return greedy_step(model, input_ids, *step, attention="eager" if on_cpu else None)
+    return greedy_step(model, input_ids, *step, attention="looped" if on_cpu else None)
 
 
 def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor) -> torch.Tensor:
-    """The encoder's states (B, S, d_model) through torch.compile, for decodes under
-    `decoder.compile=true`: one function per model (`compiled_for`), symbolic shapes (a batch's
-    source length and its number of real tokens change from batch to batch). At the built-in sizes
-    on a CPU the eager encoder of one example costs as much as a few decoder calls; compiled, it
-    costs less than half that. A batch of several rows with padding, where the family runs the
-    encoder itself, runs it on the real tokens alone (`encode_real_tokens`; the padding's states
-    are zeros, which no decoder reads: every one masks the padding); any other batch, the model's
-    encoder (at batch size 1 that is about a tenth faster than the family's, which would gather
-    and scatter every token for nothing). A batch of one is not checked for padding: it has its
-    own length, and the check would read the device."""
-    if (input_ids.size(0) > 1 and family_of(model.config).encodes_real_tokens(model.config)
-            and not attention_mask.all()):
-        real = attention_mask.flatten().nonzero().squeeze(1)   # (N,): found eagerly, N symbolic
-        return compiled_for(model, encode_real_tokens, "encoder", dynamic=True)(
-            model, input_ids, attention_mask, real)
-    return compiled_for(model, encode, "encoder", dynamic=True)(model, input_ids, attention_mask)
+    """The encoder's states (B, S, d_model) for decodes under `decoder.compile=true`, in a few
+    fixed shapes, each compiled once (`fixed_shape_compiled`): the source padded to its fixed width
+    (`fixed_source_width`, hidden by the padding mask, as the decoder's calls read it). Compiled
+    for symbolic lengths instead, its call costs Dynamo's guards and kernels of unknown sizes, a
+    quarter of a one-example encoder pass at the built-in sizes on a CPU. A batch of several rows
+    with padding, where the family runs the encoder itself, runs it on its real tokens
+    (`encode_real_tokens`), their count rounded up with padding positions
+    (`fixed_token_count`); any other batch, the model's encoder (at batch size 1 that is about a
+    tenth faster than the family's, which would gather and scatter every token for nothing). A
+    batch of one is not checked for padding: it has its own length, and the check would read the
+    device."""
+    rows, length = input_ids.shape
+    width = fixed_source_width(length)
+    if width > length:
+        input_ids, attention_mask = (nn.functional.pad(tensor, (0, width - length))
+                                     for tensor in (input_ids, attention_mask))
+    if rows > 1 and family_of(model.config).encodes_real_tokens(model.config):
+        present = attention_mask.flatten().bool()
+        real = present.sum().item()
+        if real < rows * width:
+            count = fixed_token_count(real, rows * width)
+            # the real tokens' flat positions, then padding ones up to `count`
+            tokens = torch.argsort(~present, stable=True)[:count]
+            states = fixed_shape_compiled(model, encode_real_tokens, ("encoder", rows, width, count))(
+                model, input_ids, attention_mask, tokens)
+            return states[:, :length]
+    states = fixed_shape_compiled(model, encode, ("encoder", rows, width))(model, input_ids, attention_mask)
+    return states[:, :length]
+
+
+def fixed_token_count(count: int, most: int) -> int:
+    """The number of tokens `compiled_encode` runs a batch's `count` real ones as (at most `most`):
+    the least multiple of an eighth of the power of two at or below `count` (at least 8) that
+    holds it, so a batch's encoder meets a few shapes per width and runs under 1/8 more tokens."""
+    step = max(8, (1 << (count.bit_length() - 1)) // 8)
+    return min(most, -(-count // step) * step)
 
 
 def encode_real_tokens(model: PreTrainedModel, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+                       attention_mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The encoder's states (B, S, d_model) as the family runs them
     (`families.Family.run_encoder`): its norms, projections and feed-forward layers on the
-    batch's real tokens alone, `real` (N,) their flat positions in (B * S), the attention on the
-    padded batch; zeros at the padding, whose positions are otherwise a share of every
-    position-wise layer's work (about 3 in 10 at batch size 16 on the built-in tasks). On a CPU
-    the attention runs as plain products and a softmax, as a compiled step's does; elsewhere as
-    the model's own implementation, where the library runs that one (STRUCTURED_ATTENTION)."""
+    positions `tokens` (N,) of (B * S), the batch's real tokens (and maybe some padding ones), the
+    attention on the padded batch; zeros at the padding, whose positions are otherwise a share of
+    every position-wise layer's work (about 3 in 10 at batch size 16 on the built-in tasks). On a
+    CPU the attention runs through SDPA; elsewhere as the model's own implementation, where the
+    library runs that one (STRUCTURED_ATTENTION)."""
     attention = attention_implementation(model.config)
-    if input_ids.device.type == "cpu" or attention not in _ATTEND:
+    if input_ids.device.type == "cpu":   # a fixed-shape graph keeps SDPA's kernel, which is faster
+        attention = "sdpa"
+    elif attention not in _ATTEND:
         attention = "eager"
     padding_mask = cross_attention_mask(attention_mask, model.get_input_embeddings().weight.dtype)
-    return family_of(model.config).run_encoder(model, input_ids, padding_mask, real,
-                                               _ATTEND[attention])
+    states = family_of(model.config).run_encoder(model, input_ids, padding_mask, tokens,
+                                                 _ATTEND[attention])
+    return states.masked_fill(~attention_mask.bool()[..., None], 0)
 
 
-def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dynamic: bool,
-                 **options: Any) -> Callable:
-    """`function` (of `model` first) through torch.compile, one compiled function per model and
-    `key`, made at the first call and kept while the model lives; with inductor's C++ wrapper and
-    its `options`.
+def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, **options: Any) -> Callable:
+    """`function` (of `model` first) through torch.compile for fixed shapes, one compiled function
+    per model and `key`, made at the first call and kept while the model lives; with inductor's
+    C++ wrapper and its `options`: a fixed-shape step's fallback (`fixed_shape_compiled`).
 
-    Dynamo checks only the guards on the inputs' tensors (shape, dtype, device, strides) and on
-    symbolic shapes, not those on the model's weights or on the Python objects around them (the
+    Dynamo checks only the guards on the inputs' tensors (shape, dtype, device, strides), not
+    those on the model's weights or on the Python objects around them (the
     model's modules and configuration, the cache object), which at the built-in sizes on a CPU
     take a large share of a call's time otherwise. The function per model and key stands in for
     them: its key holds what else decides the graph (the attention implementation, training mode,
@@ -488,8 +530,8 @@ def compiled_for(model: PreTrainedModel, function: Callable, key: Hashable, dyna
         # its own code object keeps its graphs few (a model's dtypes and devices): Dynamo's
         # default limit of them holds, and no configuration is patched around each call
         functions[key] = torch.compile(
-            own, dynamic=dynamic,
-            options={"cpp_wrapper": True, "guard_filter_fn": _input_and_shape_guards, **options})
+            own, dynamic=False,
+            options={"cpp_wrapper": True, "guard_filter_fn": _input_guards, **options})
     return functions[key]
 
 
@@ -506,11 +548,10 @@ def _compiled_key(model: PreTrainedModel, function: Callable, key: Hashable) -> 
             embeddings.dtype, embeddings.device, embeddings.size(0))
 
 
-def _input_and_shape_guards(entries) -> list[bool]:
+def _input_guards(entries) -> list[bool]:
     """Which of a graph's guards Dynamo keeps: those on the inputs' tensors (not the weights':
-    `_compiled_key` holds what of them decides a graph) and on symbolic shapes."""
-    tensors = torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=False)
-    return [kept or entry.guard_type == "SHAPE_ENV" for kept, entry in zip(tensors, entries)]
+    `_compiled_key` holds what of them decides a graph)."""
+    return torch.compiler.keep_tensor_guards_unsafe(entries, keep_parameters=False)
 
 
 def with_frozen_weights(model: nn.Module, function: Callable, *args, only: Collection | None = None):

@@ -165,7 +165,7 @@ class Decoder(nn.Module, abc.ABC):
 
     def encoder_pass(self) -> Callable[..., torch.Tensor]:
         """What a decode runs the backbone's encoder with, once per batch: `backbone.encode`, or,
-        when it `compiles`, that function through torch.compile (`backbone.compiled_encode`)."""
+        when it `compiles`, the encoder compiled in a few fixed shapes (`backbone.compiled_encode`)."""
         return compiled_encode if self.compiles() else encode
 
     def model_step(self) -> Callable[..., torch.Tensor]:

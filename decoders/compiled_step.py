@@ -4,9 +4,10 @@ A function compiled by torch.compile passes every call through Dynamo: its frame
 and the configuration it patches around the call. At a small model's decoder call on a CPU that
 is about a third of the call. A loop whose calls take a few fixed shapes needs none of it after
 a shape's first call: `FixedShapeStep` traces the step once per shape into a graph of tensors
-(the model's weights, then every tensor its arguments hold, in `DecoderCache`s, tuples and lists
-too; of those, the ones the graph reads), compiles that graph with inductor, and calls it with
-those tensors, read from each call's arguments in the same order by one generated function. What
+(every tensor its arguments hold, in `DecoderCache`s, tuples and lists too, of which the ones the
+graph reads; the model's weights it reads are the graph's constants), compiles that graph with
+inductor, and calls it with those tensors, read from each call's arguments in the same order by
+one generated function. What
 the graph took as constants (the arguments' ints, None and other values) are checked at every
 call, and the sizes and strides of its tensors by the graph's C++ wrapper: a call in another
 shape fails instead of reading out of bounds.
@@ -41,7 +42,7 @@ class Applied(nn.Module):
 
 class FixedShapeStep:
     """`function(model, *args)` for one shape of its arguments, compiled at its first call with
-    inductor's `options`: a graph of the model's weights and the arguments' tensors, or, where the
+    inductor's `options`: a graph of the arguments' tensors holding the model's weights, or, where the
     call puts new tensors into its arguments, `fallback` (the same function through
     torch.compile)."""
 
@@ -50,11 +51,11 @@ class FixedShapeStep:
         self.function, self.fallback, self.options = function, fallback, options
         self.made = False                             # whether a first call compiled it
         self.compiled: Callable | None = None         # the graph's; None: `fallback` runs it
-        self.weights: list[torch.Tensor] = []
         self.tensors_of: Callable[[tuple], list] = list
         self.constants_of: Callable[[tuple], tuple] = tuple
         self.constants: tuple = ()
         self.single = False                           # whether the function returns one tensor
+        self.weights: list[torch.Tensor] = []         # the model's weights the graph holds
 
     def __call__(self, model: nn.Module, *args: Any):
         if not self.made:
@@ -66,7 +67,7 @@ class FixedShapeStep:
             raise RuntimeError(f"a call of {self.function.__name__} with other constants than its "
                                f"fixed-shape step was compiled for: {self.constants_of(args)}, "
                                f"not {self.constants}")
-        out = self.compiled(self.weights + self.tensors_of(args))   # a list it empties
+        out = self.compiled(self.tensors_of(args))   # a list it empties
         return out[0] if self.single else tuple(out)
 
     def compile(self, model: nn.Module, args: tuple) -> Callable | None:
@@ -109,14 +110,23 @@ class FixedShapeStep:
         if not kept[-1]:
             return None
         # inputs the graph never reads (the encoder's weights, arguments the step ignores) left
-        # out: each input costs the call a handle
+        # out, and the weights it reads made its constants, which it holds (so it reads what is
+        # written into them in place): each input costs the call a handle
         placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
         read = [bool(node.users) for node in placeholders]
-        for node, used in zip(placeholders, read):
+        body = next(node for node in traced.graph.nodes if node.op != "placeholder")
+        for position, (node, used, weight) in enumerate(zip(placeholders, read, weights.values())):
+            if used:
+                traced.register_buffer(f"weight_{position}", weight.detach(), persistent=False)
+                with traced.graph.inserting_before(body):
+                    constant = traced.graph.get_attr(f"weight_{position}")
+                constant.meta = dict(node.meta)
+                node.replace_all_uses_with(constant)
+        for node, used in zip(placeholders, [False] * count + read[count:]):
             if not used:
                 traced.graph.erase_node(node)
         traced.recompile()
-        example = [tensor for tensor, used in zip(example, read) if used]
+        example = [tensor for tensor, used in zip(tensors, read[count:]) if used]
         tensors_of = _getter([path for path, used in zip(tensor_paths, read[count:]) if used], "[]")
         # inductor's graph itself, an inference graph: not wrapped by AOT autograd, whose wrappers
         # (gradients, aliasing, views of outputs) a graph of tensors under no_grad needs none of,
@@ -124,8 +134,8 @@ class FixedShapeStep:
         with torch.no_grad(), config.patch(self.options):
             graph_code = compile_fx_inner(traced, example, is_inference=True,
                                           cpp_wrapper=bool(self.options.get("cpp_wrapper")))
-        self.weights = [weight for weight, used in zip(weights.values(), read) if used]
         self.single = single[-1]
+        self.weights = [weight for weight, used in zip(weights.values(), read) if used]
         self.tensors_of, self.constants_of = tensors_of, constants_of
         self.constants = constants_of(args)
         # the generated module's function of a list of the graph's inputs, called without the

@@ -39,8 +39,10 @@ def test_run_decoder_follows_the_given_structure_under_sdpa():
     visible[:, :, 0] = True
     relative = torch.randn(2, 4, 4, 7, generator=g)                 # (B, heads, Q, K)
     outputs = []
-    # each model under its own implementation, then under the other one given as `attention`
-    for model, attention in ((eager, None), (sdpa, None), (sdpa, "eager"), (eager, "sdpa")):
+    # each model under its own implementation, then under the other one given as `attention`, and
+    # eager's arithmetic as loops (what a step compiled on a CPU runs)
+    for model, attention in ((eager, None), (sdpa, None), (sdpa, "eager"), (eager, "sdpa"),
+                             (sdpa, "looped")):
         states = encode(model, input_ids, attention_mask)
         cache = DecoderCache(len(model.decoder.block))
         run_decoder(model, past, torch.zeros(2, 4, 3, 3), states, attention_mask, cache, Slots(start=0),
@@ -111,7 +113,7 @@ def test_other_implementations_fail_clearly():
     input_ids, attention_mask = random_batch(1, seed=3)
     with pytest.raises(ValueError, match="attn_implementation in \\('eager', 'sdpa'\\).*'flash_attention_2'"):
         run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3])
-    with pytest.raises(ValueError, match="attention='flash'; allowed: \\('eager', 'sdpa'\\)"):
+    with pytest.raises(ValueError, match="attention='flash'; allowed: \\('eager', 'sdpa', 'looped'\\)"):
         run_decoder(model, input_ids, torch.zeros(1, 4, 1, 1), torch.zeros(1, 3, 32), attention_mask[:, :3],
                     attention="flash")
 

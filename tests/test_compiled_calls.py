@@ -16,7 +16,7 @@ import decoders.drafts
 import decoders.pipelined
 import decoders.sequential
 from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_run_decoder, encode,
-                               fixed_source_width, greedy_step, run_decoder)
+                               fixed_source_width, fixed_token_count, greedy_step, run_decoder)
 from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
@@ -221,6 +221,44 @@ def test_a_fixed_shape_source_is_padded_to_a_power_of_two_or_three_quarters_of_o
     widths = [fixed_source_width(length) for length in (1, 16, 17, 25, 33, 49, 64, 65, 97, 129)]
     assert widths == [16, 16, 24, 32, 48, 64, 64, 96, 128, 192]
     assert all(length <= fixed_source_width(length) < 1.5 * length for length in range(17, 2049))
+
+
+def test_an_encoded_batch_runs_its_real_tokens_rounded_up_to_under_an_eighth_more():
+    assert [fixed_token_count(count, 10_000) for count in (1, 8, 9, 64, 65, 72, 73, 1000)] == \
+        [8, 8, 16, 64, 72, 72, 80, 1024]
+    assert fixed_token_count(70, 66) == 66   # never more than the batch's positions
+    for count in range(64, 4097):
+        assert count <= fixed_token_count(count, 10_000) < 1.125 * count
+    octave = {fixed_token_count(count, 10_000) for count in range(1025, 2049)}
+    assert len(octave) == 8
+
+
+@pytest.mark.slow   # compiling takes seconds per shape
+def test_the_compiled_encoder_runs_fixed_shapes_and_gives_every_real_token_the_models_state():
+    """`compiled_encode` pads a source to its fixed width and, for a batch of several rows with
+    padding, runs its real tokens with padding ones up to `fixed_token_count`: every real token's
+    state is the model's own encoder's, the padding's are zeros, the states keep the source's
+    length, and another batch of the same widths and counts compiles nothing. (T5's layer norms
+    take their variance in float32, as the model's own do, and a compiled graph sums it in another
+    order: the states agree to float32's precision, while attending to the padding would change
+    them by far more.)"""
+    model = tiny_t5(0)
+    input_ids, attention_mask = random_batch(5, seed=3)
+    assert attention_mask.min() == 0 and fixed_source_width(input_ids.size(1)) > input_ids.size(1)
+    one = input_ids[:1, :int(attention_mask[0].sum())]
+    with torch.no_grad():
+        for ids, mask in ((input_ids, attention_mask), (one, torch.ones_like(one))):
+            states, expected = compiled_encode(model, ids, mask), encode(model, ids, mask)
+            assert states.shape == expected.shape
+            real = mask.bool()
+            torch.testing.assert_close(states[real], expected[real], rtol=1e-4, atol=1e-4)
+            assert not states[~real].any()
+        compiled = len(COMPILED_STEPS)
+        shuffled = input_ids[[4, 3, 2, 1, 0]], attention_mask[[4, 3, 2, 1, 0]]
+        states = compiled_encode(model, *shuffled)
+        expected = encode(model, *shuffled) * shuffled[1][..., None]   # zeros at the padding
+    assert len(COMPILED_STEPS) == compiled
+    torch.testing.assert_close(states, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_fixed_shape_batch_shrinks_only_down_to_a_power_of_two_moving_the_rows_past_it():
@@ -535,9 +573,10 @@ def first_layer(model, x, ignored):
 
 @pytest.mark.slow   # compiling takes seconds
 def test_a_fixed_shape_step_is_given_only_the_tensors_its_graph_reads():
-    """Each input of a compiled graph costs its call a handle: a weight the step never reads (here
-    the second layer's, as a decoder step never reads the encoder's) and an argument tensor it
-    ignores are left out of the graph's inputs, and the call gives the eager result."""
+    """Each input of a compiled graph costs its call a handle: the weights the step reads are the
+    graph's constants, a weight it never reads (here the second layer's, as a decoder step never
+    reads the encoder's) is left out of the graph, an argument tensor it ignores out of its
+    inputs, and the call gives the eager result."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).double()
     x, ignored = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
