@@ -450,18 +450,18 @@ def greedy_step_as_compiled(model: PreTrainedModel, input_ids: torch.Tensor,
 def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor) -> torch.Tensor:
     """The encoder's states (B, S, d_model) for decodes under `decoder.compile=true`, in a few
-    fixed shapes, each compiled once (`fixed_shape_compiled`): the source padded to its fixed width
-    (`fixed_source_width`, hidden by the padding mask, as the decoder's calls read it). Compiled
-    for symbolic lengths instead, its call costs Dynamo's guards and kernels of unknown sizes, a
-    quarter of a one-example encoder pass at the built-in sizes on a CPU. A batch of several rows
-    with padding, where the family runs the encoder itself, runs it on its real tokens
-    (`encode_real_tokens`), their count rounded up with padding positions
-    (`fixed_token_count`); any other batch, the model's encoder (at batch size 1 that is about a
-    tenth faster than the family's, which would gather and scatter every token for nothing). A
-    batch of one is not checked for padding: it has its own length, and the check would read the
-    device."""
+    fixed shapes, each compiled once (`fixed_shape_compiled`): the source padded with positions
+    the padding mask hides to under an eighth more (`rounded_to_eighths`; the attention's work
+    grows with the square of the width). Compiled for symbolic lengths instead, its call costs
+    Dynamo's guards and kernels of unknown sizes, a quarter of a one-example encoder pass at the
+    built-in sizes on a CPU. A batch of several rows with padding, where the family runs the
+    encoder itself, runs it on its real tokens (`encode_real_tokens`), their count rounded up
+    alike with padding positions; any other batch, the model's encoder (at batch size 1 that is
+    about a tenth faster than the family's, which would gather and scatter every token for
+    nothing). A batch of one is not checked for padding: it has its own length, and the check
+    would read the device."""
     rows, length = input_ids.shape
-    width = fixed_source_width(length)
+    width = rounded_to_eighths(length)
     if width > length:
         input_ids, attention_mask = (nn.functional.pad(tensor, (0, width - length))
                                      for tensor in (input_ids, attention_mask))
@@ -469,7 +469,7 @@ def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
         present = attention_mask.flatten().bool()
         real = present.sum().item()
         if real < rows * width:
-            count = fixed_token_count(real, rows * width)
+            count = min(rows * width, rounded_to_eighths(real))
             # the real tokens' flat positions, then padding ones up to `count`
             tokens = torch.argsort(~present, stable=True)[:count]
             states = fixed_shape_compiled(model, encode_real_tokens, ("encoder", rows, width, count))(
@@ -479,12 +479,12 @@ def compiled_encode(model: PreTrainedModel, input_ids: torch.Tensor,
     return states[:, :length]
 
 
-def fixed_token_count(count: int, most: int) -> int:
-    """The number of tokens `compiled_encode` runs a batch's `count` real ones as (at most `most`):
-    the least multiple of an eighth of the power of two at or below `count` (at least 8) that
-    holds it, so a batch's encoder meets a few shapes per width and runs under 1/8 more tokens."""
+def rounded_to_eighths(count: int) -> int:
+    """`count` (a source's length, a batch's real tokens) rounded up as `compiled_encode` runs it:
+    the least multiple of an eighth of the power of two at or below it (at least 8), so the
+    encoder meets 8 shapes per doubling and runs under 1/8 more positions."""
     step = max(8, (1 << (count.bit_length() - 1)) // 8)
-    return min(most, -(-count // step) * step)
+    return -(-count // step) * step
 
 
 def encode_real_tokens(model: PreTrainedModel, input_ids: torch.Tensor,

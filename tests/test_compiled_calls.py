@@ -16,7 +16,7 @@ import decoders.drafts
 import decoders.pipelined
 import decoders.sequential
 from decoders.backbone import (FIXED_SHAPE_OPTIONS, compiled_encode, compiled_run_decoder, encode,
-                               fixed_source_width, fixed_token_count, greedy_step, run_decoder)
+                               fixed_source_width, greedy_step, rounded_to_eighths, run_decoder)
 from decoders.cache import ATTENDED_SLOTS_STEP, DecoderCache, Slots
 from decoders.compiled_step import COMPILED_STEPS, FixedShapeStep
 from decoders.draft_policy import CallCosts
@@ -223,20 +223,18 @@ def test_a_fixed_shape_source_is_padded_to_a_power_of_two_or_three_quarters_of_o
     assert all(length <= fixed_source_width(length) < 1.5 * length for length in range(17, 2049))
 
 
-def test_an_encoded_batch_runs_its_real_tokens_rounded_up_to_under_an_eighth_more():
-    assert [fixed_token_count(count, 10_000) for count in (1, 8, 9, 64, 65, 72, 73, 1000)] == \
+def test_the_encoder_runs_its_source_and_real_tokens_rounded_up_to_under_an_eighth_more():
+    assert [rounded_to_eighths(count) for count in (1, 8, 9, 64, 65, 72, 73, 1000)] == \
         [8, 8, 16, 64, 72, 72, 80, 1024]
-    assert fixed_token_count(70, 66) == 66   # never more than the batch's positions
     for count in range(64, 4097):
-        assert count <= fixed_token_count(count, 10_000) < 1.125 * count
-    octave = {fixed_token_count(count, 10_000) for count in range(1025, 2049)}
-    assert len(octave) == 8
+        assert count <= rounded_to_eighths(count) < 1.125 * count
+    assert len({rounded_to_eighths(count) for count in range(1025, 2049)}) == 8
 
 
 @pytest.mark.slow   # compiling takes seconds per shape
 def test_the_compiled_encoder_runs_fixed_shapes_and_gives_every_real_token_the_models_state():
     """`compiled_encode` pads a source to its fixed width and, for a batch of several rows with
-    padding, runs its real tokens with padding ones up to `fixed_token_count`: every real token's
+    padding, runs its real tokens with padding ones up to `rounded_to_eighths`: every real token's
     state is the model's own encoder's, the padding's are zeros, the states keep the source's
     length, and another batch of the same widths and counts compiles nothing. (T5's layer norms
     take their variance in float32, as the model's own do, and a compiled graph sums it in another
@@ -244,7 +242,7 @@ def test_the_compiled_encoder_runs_fixed_shapes_and_gives_every_real_token_the_m
     them by far more.)"""
     model = tiny_t5(0)
     input_ids, attention_mask = random_batch(5, seed=3)
-    assert attention_mask.min() == 0 and fixed_source_width(input_ids.size(1)) > input_ids.size(1)
+    assert attention_mask.min() == 0 and rounded_to_eighths(input_ids.size(1)) > input_ids.size(1)
     one = input_ids[:1, :int(attention_mask[0].sum())]
     with torch.no_grad():
         for ids, mask in ((input_ids, attention_mask), (one, torch.ones_like(one))):
