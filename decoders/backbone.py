@@ -242,7 +242,7 @@ def run_decoder(model: PreTrainedModel, input_ids: torch.Tensor, self_bias: torc
     if attention is not None and attention not in _ATTEND:
         raise ValueError(f"attention={attention!r}; allowed: {tuple(_ATTEND)}")
     implementation = attention or attention_implementation(model.config)
-    if implementation not in _ATTEND:   # the model's own
+    if implementation not in STRUCTURED_ATTENTION and attention is None:   # the model's own
         raise ValueError(f"a custom decoder attention structure needs attn_implementation in "
                          f"{STRUCTURED_ATTENTION}; the backbone was loaded with {implementation!r}")
     cross_mask = (encoder_mask if encoder_mask.dim() == 4                                # (B, 1, 1, S)
